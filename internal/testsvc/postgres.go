@@ -1,0 +1,249 @@
+// Package testsvc starts the real services Baton's tests talk to: a throwaway PostgreSQL cluster
+// (initdb, wal_level=logical) and a NATS server with JetStream. A test owns what it starts and can
+// stop, crash and restart it on the same port and data directory.
+//
+// BATON_TEST_DATABASE_URL and BATON_TEST_NATS_URL point tests at existing servers instead; tests
+// that must restart a server then fail with a message saying so.
+package testsvc
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// ErrNoPostgres says how to get the PostgreSQL server binaries.
+var ErrNoPostgres = errors.New("PostgreSQL server binaries (initdb, postgres) not found: " +
+	"install them (Debian/Ubuntu: `apt-get install -y postgresql`), put their directory on PATH via pg_config, " +
+	"or set BATON_TEST_DATABASE_URL to a server running with wal_level=logical")
+
+// Postgres is a throwaway PostgreSQL cluster in a temporary directory.
+type Postgres struct {
+	BinDir  string
+	Dir     string // parent temp dir; data lives in Dir/data
+	Port    int
+	cred    *syscall.Credential // non-nil when running as root: run the server as user postgres
+	mu      sync.Mutex
+	cmd     *exec.Cmd
+	exited  chan struct{}
+	logPath string
+}
+
+// FindBinDir returns the directory holding initdb and postgres.
+func FindBinDir() (string, error) {
+	var candidates []string
+	if out, err := exec.Command("pg_config", "--bindir").Output(); err == nil {
+		candidates = append(candidates, strings.TrimSpace(string(out)))
+	}
+	globbed, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	sort.Slice(globbed, func(i, j int) bool { return pgMajor(globbed[i]) > pgMajor(globbed[j]) })
+	candidates = append(candidates, globbed...)
+	if p, err := exec.LookPath("initdb"); err == nil {
+		candidates = append(candidates, filepath.Dir(p))
+	}
+	for _, dir := range candidates {
+		if isExec(filepath.Join(dir, "initdb")) && isExec(filepath.Join(dir, "postgres")) {
+			return dir, nil
+		}
+	}
+	return "", ErrNoPostgres
+}
+
+func pgMajor(binDir string) int {
+	n, _ := strconv.Atoi(filepath.Base(filepath.Dir(binDir)))
+	return n
+}
+
+func isExec(path string) bool {
+	st, err := os.Stat(path)
+	return err == nil && !st.IsDir() && st.Mode()&0o111 != 0
+}
+
+// StartPostgres runs initdb in a new temp directory and starts the server on a free port.
+func StartPostgres(ctx context.Context) (*Postgres, error) {
+	bin, err := FindBinDir()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "baton-pg-")
+	if err != nil {
+		return nil, fmt.Errorf("postgres temp dir: %w", err)
+	}
+	p := &Postgres{BinDir: bin, Dir: dir, logPath: filepath.Join(dir, "postgres.log")}
+	if os.Geteuid() == 0 {
+		// initdb and postgres refuse to run as root.
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			_ = os.RemoveAll(dir)
+			return nil, fmt.Errorf("running as root needs the system user postgres to own the cluster: %w", err)
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		p.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+		if err := os.Chown(dir, uid, gid); err != nil {
+			_ = os.RemoveAll(dir)
+			return nil, fmt.Errorf("chown %s: %w", dir, err)
+		}
+	}
+	initdb := p.command(filepath.Join(bin, "initdb"), "-D", p.dataDir(), "-U", "postgres",
+		"--auth=trust", "--encoding=UTF8", "--locale=C", "--no-sync")
+	if out, err := initdb.CombinedOutput(); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, fmt.Errorf("initdb: %w: %s", err, out)
+	}
+	if p.Port, err = freePort(); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
+	}
+	if err := p.Start(ctx); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *Postgres) dataDir() string { return filepath.Join(p.Dir, "data") }
+
+func (p *Postgres) command(name string, args ...string) *exec.Cmd {
+	cmd := exec.Command(name, args...)
+	cmd.Dir = p.Dir
+	cmd.Env = append(os.Environ(), "LC_ALL=C")
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Credential: p.cred,
+		Setpgid:    true,
+		// The server dies with the test binary, even when the test panics or is killed.
+		Pdeathsig: syscall.SIGKILL,
+	}
+	return cmd
+}
+
+// Start starts (or restarts) the server on p.Port with the existing data directory and waits
+// until it accepts connections.
+func (p *Postgres) Start(ctx context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cmd != nil {
+		return errors.New("postgres already running")
+	}
+	logf, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	if err != nil {
+		return fmt.Errorf("postgres log: %w", err)
+	}
+	cmd := p.command(filepath.Join(p.BinDir, "postgres"), "-D", p.dataDir(),
+		"-p", strconv.Itoa(p.Port),
+		"-c", "listen_addresses=127.0.0.1",
+		"-c", "unix_socket_directories="+p.Dir,
+		"-c", "wal_level=logical",
+		"-c", "max_replication_slots=64",
+		"-c", "max_wal_senders=64",
+		"-c", "max_connections=300",
+		"-c", "shared_buffers=128MB",
+		"-c", "fsync=off",
+		"-c", "full_page_writes=off",
+		"-c", "synchronous_commit=on",
+		"-c", "wal_sender_timeout=60s",
+		"-c", "max_slot_wal_keep_size=4GB",
+		"-c", "log_min_messages=warning",
+	)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		_ = logf.Close()
+		return fmt.Errorf("start postgres: %w", err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); _ = logf.Close(); close(exited) }()
+	p.cmd, p.exited = cmd, exited
+
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		conn, err := pgx.Connect(cctx, p.URL("postgres"))
+		cancel()
+		if err == nil {
+			_ = conn.Close(ctx)
+			return nil
+		}
+		select {
+		case <-exited:
+			p.cmd = nil
+			return fmt.Errorf("postgres exited during start-up: %s", p.logTail())
+		case <-ctx.Done():
+			return fmt.Errorf("wait for postgres: %w", ctx.Err())
+		case <-time.After(25 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("postgres not ready after 60s: %w; log: %s", err, p.logTail())
+		}
+	}
+}
+
+func (p *Postgres) logTail() string {
+	b, _ := os.ReadFile(p.logPath)
+	if len(b) > 2000 {
+		b = b[len(b)-2000:]
+	}
+	return string(bytes.TrimSpace(b))
+}
+
+// URL returns a connection string for database db.
+func (p *Postgres) URL(db string) string {
+	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", p.Port, db)
+}
+
+// Stop shuts the server down cleanly (fast shutdown: sessions are disconnected, a checkpoint runs).
+func (p *Postgres) Stop() error { return p.signal(syscall.SIGINT) }
+
+// Crash stops the server the way a power cut would look to clients: immediate shutdown, no
+// checkpoint; the next Start runs crash recovery.
+func (p *Postgres) Crash() error { return p.signal(syscall.SIGQUIT) }
+
+func (p *Postgres) signal(sig syscall.Signal) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cmd == nil {
+		return nil
+	}
+	if err := p.cmd.Process.Signal(sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
+		return fmt.Errorf("signal postgres: %w", err)
+	}
+	select {
+	case <-p.exited:
+	case <-time.After(60 * time.Second):
+		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+		<-p.exited
+	}
+	p.cmd = nil
+	return nil
+}
+
+// Close stops the server and removes its directory.
+func (p *Postgres) Close() error {
+	err := p.Stop()
+	if rmErr := os.RemoveAll(p.Dir); rmErr != nil && err == nil {
+		err = fmt.Errorf("remove %s: %w", p.Dir, rmErr)
+	}
+	return err
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, fmt.Errorf("find free port: %w", err)
+	}
+	defer func() { _ = l.Close() }()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}

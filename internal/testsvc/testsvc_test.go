@@ -1,0 +1,107 @@
+package testsvc
+
+import (
+	"context"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/require"
+)
+
+func TestMain(m *testing.M) { os.Exit(Main(m)) }
+
+func TestNewDatabaseIsMigratedAndIsolated(t *testing.T) {
+	t.Parallel()
+	a, b := NewDatabase(t), NewDatabase(t)
+	require.NotEqual(t, a.Name, b.Name)
+	ctx := context.Background()
+	_, err := a.Pool.Exec(ctx, "INSERT INTO conversations (id) VALUES ('c1')")
+	require.NoError(t, err)
+	var n int
+	require.NoError(t, b.Pool.QueryRow(ctx, "SELECT count(*) FROM conversations").Scan(&n))
+	require.Zero(t, n, "databases must not share rows")
+	var level string
+	require.NoError(t, a.Pool.QueryRow(ctx, "SHOW wal_level").Scan(&level))
+	require.Equal(t, "logical", level)
+}
+
+// The fault tests of later packages stop, crash and restart the servers; this shows data
+// survives each and the port stays the same.
+func TestPostgresRestartKeepsData(t *testing.T) {
+	if os.Getenv(EnvDatabaseURL) != "" {
+		t.Log("starting a private cluster although " + EnvDatabaseURL + " is set: this test restarts it")
+	}
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pg, err := StartPostgres(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, pg.Close()) })
+
+	exec := func(sql string) {
+		conn, err := pgx.Connect(ctx, pg.URL("postgres"))
+		require.NoError(t, err)
+		defer func() { _ = conn.Close(ctx) }()
+		_, err = conn.Exec(ctx, sql)
+		require.NoError(t, err)
+	}
+	count := func() int {
+		conn, err := pgx.Connect(ctx, pg.URL("postgres"))
+		require.NoError(t, err)
+		defer func() { _ = conn.Close(ctx) }()
+		var n int
+		require.NoError(t, conn.QueryRow(ctx, "SELECT count(*) FROM kept").Scan(&n))
+		return n
+	}
+	exec("CREATE TABLE kept (v int)")
+	exec("INSERT INTO kept VALUES (1)")
+
+	port := pg.Port
+	require.NoError(t, pg.Stop())
+	_, err = pgx.Connect(ctx, pg.URL("postgres"))
+	require.Error(t, err, "the server must be down after Stop")
+	require.NoError(t, pg.Start(ctx))
+	require.Equal(t, port, pg.Port)
+	require.Equal(t, 1, count())
+
+	exec("INSERT INTO kept VALUES (2)")
+	require.NoError(t, pg.Crash())
+	require.NoError(t, pg.Start(ctx))
+	require.Equal(t, 2, count(), "a committed row must survive an immediate shutdown")
+}
+
+func TestNATSRestartKeepsStream(t *testing.T) {
+	t.Parallel()
+	n := StartNATS(t)
+	if n.External() {
+		t.Fatalf("this test restarts NATS: unset %s", EnvNATSURL)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	nc, err := nats.Connect(n.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
+	require.NoError(t, err)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: "KEEP", Subjects: []string{"keep.>"}, Storage: jetstream.FileStorage})
+	require.NoError(t, err)
+	_, err = js.Publish(ctx, "keep.a", []byte("1"))
+	require.NoError(t, err)
+
+	port := n.Port
+	n.Stop()
+	require.Eventually(t, func() bool { return !nc.IsConnected() }, 10*time.Second, 10*time.Millisecond)
+	require.NoError(t, n.Start())
+	require.Equal(t, port, n.Port)
+	require.Eventually(t, nc.IsConnected, 10*time.Second, 10*time.Millisecond)
+
+	s, err := js.Stream(ctx, "KEEP")
+	require.NoError(t, err)
+	info, err := s.Info(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, info.State.Msgs)
+}

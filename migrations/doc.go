@@ -1,0 +1,7 @@
+// Package migrations holds Baton's versioned SQL schema, embedded in the binary, and applies it.
+//
+// Up applies each version not yet recorded in baton_schema_migrations in its own transaction,
+// under a transaction-scoped advisory lock, so it is safe to run at every start and from many
+// processes at once. Versions only add: the tables and columns named in Baton's design
+// (conversations, messages, agent_outbox, operations) and the publication "baton" are never dropped.
+package migrations
