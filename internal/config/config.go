@@ -1,0 +1,351 @@
+// Package config reads Baton's configuration from the environment (BATON_*) and lets
+// command-line flags override it.
+//
+// Load parses and validates in one step. Commands that accept flags call FromEnv, bind the
+// flags they offer with BindFlags, parse them, then call Validate and Require for the values
+// they need. Every error names the variable (or the flag) it is about.
+//
+// Connection strings carry passwords. Redact masks them, and Config's LogValue and String use
+// it, so a Config can be logged or printed without leaking a secret.
+package config
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/url"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"github.com/caarlos0/env/v11"
+
+	"github.com/batonhq/baton/internal/subject"
+)
+
+// Names of the environment variables Baton reads.
+const (
+	EnvDatabaseURL   = "BATON_DATABASE_URL"
+	EnvNATSURL       = "BATON_NATS_URL"
+	EnvSubjectPrefix = "BATON_SUBJECT_PREFIX"
+	EnvSlot          = "BATON_SLOT"
+	EnvPublication   = "BATON_PUBLICATION"
+	EnvMetricsAddr   = "BATON_METRICS_ADDR"
+	EnvLogLevel      = "BATON_LOG_LEVEL"
+	EnvLogFormat     = "BATON_LOG_FORMAT"
+)
+
+// Log formats accepted by BATON_LOG_FORMAT.
+const (
+	LogFormatText = "text"
+	LogFormatJSON = "json"
+)
+
+// Config is Baton's configuration. An empty or unset variable takes the field's default.
+type Config struct {
+	// DatabaseURL is the PostgreSQL connection string: a postgres:// URL or key=value pairs.
+	// Default: none; commands that talk to Postgres require it.
+	DatabaseURL string `env:"BATON_DATABASE_URL"`
+	// NATSURL is the NATS server URL, or several separated by commas.
+	// Default: none; commands that talk to NATS require it.
+	NATSURL string `env:"BATON_NATS_URL"`
+	// SubjectPrefix is the first part of every subject: <prefix>.turns.<conv> and
+	// <prefix>.outcomes.<conv>. Dot-separated tokens of [A-Za-z0-9_-]. Default: "agent".
+	SubjectPrefix string `env:"BATON_SUBJECT_PREFIX" envDefault:"agent"`
+	// Slot is the logical replication slot the relay reads. Lowercase letters, digits and
+	// underscores, at most 63. Default: "baton".
+	Slot string `env:"BATON_SLOT" envDefault:"baton"`
+	// Publication is the Postgres publication the relay streams. A lowercase SQL identifier
+	// (letter or underscore first, then letters, digits, underscores), at most 63. Default: "baton".
+	Publication string `env:"BATON_PUBLICATION" envDefault:"baton"`
+	// MetricsAddr is the host:port of the Prometheus /metrics listener. Default: empty (off).
+	MetricsAddr string `env:"BATON_METRICS_ADDR"`
+	// LogLevel is debug, info, warn or error (slog level names, any case). Default: "info".
+	LogLevel string `env:"BATON_LOG_LEVEL" envDefault:"info"`
+	// LogFormat is "text" or "json". Default: "text".
+	LogFormat string `env:"BATON_LOG_FORMAT" envDefault:"text"`
+
+	// flags maps a variable to the flag bound to it by BindFlags, so errors name what the
+	// user actually set.
+	flags map[string]*boundFlag
+}
+
+type boundFlag struct {
+	name string
+	set  bool
+}
+
+// variable describes one setting: its variable, flag name and flag usage.
+type variable struct {
+	env   string
+	usage string // flag usage; a `quoted` word names the flag's argument
+	field func(*Config) *string
+}
+
+var variables = []variable{
+	{EnvDatabaseURL, "PostgreSQL `url` (postgres://... or key=value)", func(c *Config) *string { return &c.DatabaseURL }},
+	{EnvNATSURL, "NATS server `url`s, comma-separated", func(c *Config) *string { return &c.NATSURL }},
+	{EnvSubjectPrefix, "subject `prefix` (default agent)", func(c *Config) *string { return &c.SubjectPrefix }},
+	{EnvSlot, "replication slot `name` (default baton)", func(c *Config) *string { return &c.Slot }},
+	{EnvPublication, "publication `name` (default baton)", func(c *Config) *string { return &c.Publication }},
+	{EnvMetricsAddr, "metrics listen `addr`ess host:port (default off)", func(c *Config) *string { return &c.MetricsAddr }},
+	{EnvLogLevel, "log `level`: debug, info, warn, error (default info)", func(c *Config) *string { return &c.LogLevel }},
+	{EnvLogFormat, "log `format`: text or json (default text)", func(c *Config) *string { return &c.LogFormat }},
+}
+
+func lookup(envName string) (variable, bool) {
+	for _, v := range variables {
+		if v.env == envName {
+			return v, true
+		}
+	}
+	return variable{}, false
+}
+
+// FlagName returns the flag that overrides a variable: BATON_DATABASE_URL → database-url.
+func FlagName(envName string) string {
+	return strings.ReplaceAll(strings.ToLower(strings.TrimPrefix(envName, "BATON_")), "_", "-")
+}
+
+// Load reads the configuration from the environment, fills defaults and validates it.
+func Load() (Config, error) {
+	c, err := FromEnv()
+	if err != nil {
+		return Config{}, err
+	}
+	if err := c.Validate(); err != nil {
+		return Config{}, err
+	}
+	return c, nil
+}
+
+// FromEnv reads the configuration from the environment and fills defaults, without
+// validating it.
+func FromEnv() (Config, error) {
+	c, err := env.ParseAs[Config]()
+	if err != nil {
+		return Config{}, fmt.Errorf("read configuration from the environment: %w", err)
+	}
+	return c, nil
+}
+
+// BindFlags defines on fs one flag for each named variable (see FlagName), writing into c.
+// Flags override the environment. Their defaults are not printed by fs.PrintDefaults, so a
+// password from the environment never appears in usage output. It panics on an unknown
+// variable name, like fs does on a flag defined twice.
+func (c *Config) BindFlags(fs *flag.FlagSet, envNames ...string) {
+	if c.flags == nil {
+		c.flags = map[string]*boundFlag{}
+	}
+	for _, name := range envNames {
+		v, ok := lookup(name)
+		if !ok {
+			panic("config: BindFlags: unknown variable " + name)
+		}
+		b := &boundFlag{name: FlagName(name)}
+		c.flags[name] = b
+		fs.Var(flagValue{p: v.field(c), bound: b}, b.name, v.usage+" [env "+name+"]")
+	}
+}
+
+// flagValue is a flag.Value that writes into a Config field. String returns "" so that
+// flag.PrintDefaults shows no default: the default comes from the environment and may
+// hold a password.
+type flagValue struct {
+	p     *string
+	bound *boundFlag
+}
+
+func (f flagValue) String() string { return "" }
+
+func (f flagValue) Set(s string) error {
+	*f.p = s
+	f.bound.set = true
+	return nil
+}
+
+// Source names where a variable's value came from, for error messages: "--flag" when a flag
+// bound by BindFlags set it, else the variable's name.
+func (c Config) Source(envName string) string {
+	if b := c.flags[envName]; b != nil && b.set {
+		return "--" + b.name
+	}
+	return envName
+}
+
+var (
+	slotPattern        = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
+	publicationPattern = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+)
+
+// Validate checks every value that is set and returns all problems found, each naming its
+// variable (or the flag that set it). An empty DatabaseURL, NATSURL or MetricsAddr is
+// valid: see Require.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(envName, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s: "+format, append([]any{c.Source(envName)}, args...)...))
+	}
+	if c.DatabaseURL != "" {
+		if err := checkDatabaseURL(c.DatabaseURL); err != nil {
+			bad(EnvDatabaseURL, "%v", err)
+		}
+	}
+	if c.NATSURL != "" {
+		if err := checkNATSURL(c.NATSURL); err != nil {
+			bad(EnvNATSURL, "%v", err)
+		}
+	}
+	if err := subject.ValidatePrefix(c.SubjectPrefix); err != nil {
+		bad(EnvSubjectPrefix, "must be dot-separated tokens of [A-Za-z0-9_-], no wildcards (got %q)", c.SubjectPrefix)
+	}
+	if !slotPattern.MatchString(c.Slot) {
+		bad(EnvSlot, "must match %s (got %q)", slotPattern, c.Slot)
+	}
+	if !publicationPattern.MatchString(c.Publication) {
+		bad(EnvPublication, "must match %s (got %q)", publicationPattern, c.Publication)
+	}
+	if c.MetricsAddr != "" {
+		if err := checkListenAddr(c.MetricsAddr); err != nil {
+			bad(EnvMetricsAddr, "%v (got %q)", err, c.MetricsAddr)
+		}
+	}
+	if _, err := parseLevel(c.LogLevel); err != nil {
+		bad(EnvLogLevel, "must be debug, info, warn or error (got %q)", c.LogLevel)
+	}
+	if c.LogFormat != LogFormatText && c.LogFormat != LogFormatJSON {
+		bad(EnvLogFormat, "must be %s or %s (got %q)", LogFormatText, LogFormatJSON, c.LogFormat)
+	}
+	return errors.Join(errs...)
+}
+
+// Require reports, naming each variable and its flag where one is bound, the named
+// variables that are empty. Commands call it for the values they cannot do without.
+func (c Config) Require(envNames ...string) error {
+	var errs []error
+	for _, name := range envNames {
+		v, ok := lookup(name)
+		if !ok {
+			panic("config: Require: unknown variable " + name)
+		}
+		if *v.field(&c) != "" {
+			continue
+		}
+		if b := c.flags[name]; b != nil {
+			errs = append(errs, fmt.Errorf("%s is not set: set it or pass --%s", name, b.name))
+		} else {
+			errs = append(errs, fmt.Errorf("%s is not set", name))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// checkDatabaseURL checks the shape of a PostgreSQL connection string. Its errors never
+// quote the value, which may hold a password.
+func checkDatabaseURL(s string) error {
+	if scheme, _, ok := strings.Cut(s, "://"); ok {
+		if scheme != "postgres" && scheme != "postgresql" {
+			return errors.New("URL must start with postgres:// or postgresql://")
+		}
+		if _, err := url.Parse(s); err != nil {
+			// url.Error quotes the URL: do not wrap it.
+			return fmt.Errorf("not a valid URL: %s", Redact(s))
+		}
+		return nil
+	}
+	if _, failAt := scanKeyValues(s); failAt >= 0 {
+		return errors.New("must be a postgres:// URL or key=value pairs (host=... dbname=...)")
+	}
+	return nil
+}
+
+var natsSchemes = map[string]bool{"nats": true, "tls": true, "ws": true, "wss": true}
+
+// checkNATSURL checks a comma-separated list of NATS server URLs. A URL without a scheme
+// is taken as nats://, as the NATS client does.
+func checkNATSURL(s string) error {
+	for _, raw := range strings.Split(s, ",") {
+		raw = strings.TrimSpace(raw)
+		if raw == "" {
+			return errors.New("empty entry in the comma-separated list")
+		}
+		if !strings.Contains(raw, "://") {
+			raw = "nats://" + raw
+		}
+		u, err := url.Parse(raw)
+		if err != nil {
+			return fmt.Errorf("not a valid URL: %s", Redact(raw))
+		}
+		if !natsSchemes[u.Scheme] {
+			return fmt.Errorf("scheme must be nats, tls, ws or wss (got %q)", u.Scheme)
+		}
+		if u.Hostname() == "" {
+			return fmt.Errorf("URL has no host: %s", Redact(raw))
+		}
+	}
+	return nil
+}
+
+func checkListenAddr(s string) error {
+	_, port, err := net.SplitHostPort(s)
+	if err != nil {
+		return errors.New("must be host:port or :port")
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+		return errors.New("port must be a number from 0 to 65535")
+	}
+	return nil
+}
+
+func parseLevel(s string) (slog.Level, error) {
+	var l slog.Level
+	err := l.UnmarshalText([]byte(s))
+	return l, err
+}
+
+// Level returns LogLevel as a slog.Level; info when LogLevel is invalid.
+func (c Config) Level() slog.Level {
+	l, err := parseLevel(c.LogLevel)
+	if err != nil {
+		return slog.LevelInfo
+	}
+	return l
+}
+
+// Logger returns a logger writing to w in LogFormat at LogLevel.
+func (c Config) Logger(w io.Writer) *slog.Logger {
+	opts := &slog.HandlerOptions{Level: c.Level()}
+	if c.LogFormat == LogFormatJSON {
+		return slog.New(slog.NewJSONHandler(w, opts))
+	}
+	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// LogValue logs the configuration with passwords redacted.
+func (c Config) LogValue() slog.Value {
+	return slog.GroupValue(
+		slog.String("database_url", Redact(c.DatabaseURL)),
+		slog.String("nats_url", Redact(c.NATSURL)),
+		slog.String("subject_prefix", c.SubjectPrefix),
+		slog.String("slot", c.Slot),
+		slog.String("publication", c.Publication),
+		slog.String("metrics_addr", c.MetricsAddr),
+		slog.String("log_level", c.LogLevel),
+		slog.String("log_format", c.LogFormat),
+	)
+}
+
+// String formats the configuration with passwords redacted, for %v, %+v and %s.
+func (c Config) String() string {
+	return fmt.Sprintf("{DatabaseURL:%s NATSURL:%s SubjectPrefix:%s Slot:%s Publication:%s MetricsAddr:%s LogLevel:%s LogFormat:%s}",
+		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.MetricsAddr, c.LogLevel, c.LogFormat)
+}
+
+// GoString formats the configuration with passwords redacted, for %#v.
+func (c Config) GoString() string {
+	return fmt.Sprintf("config.Config{DatabaseURL:%q, NATSURL:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, MetricsAddr:%q, LogLevel:%q, LogFormat:%q}",
+		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.MetricsAddr, c.LogLevel, c.LogFormat)
+}
