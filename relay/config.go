@@ -1,0 +1,157 @@
+package relay
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"regexp"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/batonhq/baton/internal/subject"
+)
+
+// Config configures a Relay. Zero values take the defaults named on each field.
+type Config struct {
+	// DatabaseURL is the Postgres connection string (URL or key=value form). The relay opens a
+	// replication connection and a regular one from it. Required.
+	DatabaseURL string
+	// NATS is the connection to publish on; the caller owns it. Connect it with
+	// nats.MaxReconnects(-1) so a NATS restart is survived. Required.
+	NATS *nats.Conn
+
+	// SubjectPrefix is the first part of every subject. Default "agent".
+	SubjectPrefix string
+	// Slot is the logical replication slot. Default "baton".
+	Slot string
+	// Publication is the publication to stream. Default "baton".
+	Publication string
+	// Schema holds the Baton tables. Default "public".
+	Schema string
+
+	// TurnsStream and OutcomesStream name the JetStream streams. Defaults: the prefix in upper
+	// case with dots as underscores, plus "_TURNS" / "_OUTCOMES" ("AGENT_TURNS").
+	TurnsStream    string
+	OutcomesStream string
+	// Streams configures the streams the relay creates or verifies.
+	Streams StreamSettings
+
+	// MaxInFlight bounds the events published and not yet acknowledged plus those queued behind
+	// an earlier event of the same conversation. It bounds memory. Default 8192.
+	MaxInFlight int
+	// AckTimeout is how long a publish may wait for its PubAck before the session restarts from
+	// the confirmed LSN. Default 10s.
+	AckTimeout time.Duration
+	// StatusInterval is how often the confirmed LSN is reported to Postgres. Default 1s.
+	StatusInterval time.Duration
+	// StandbyPoll is how often a standby relay checks whether the slot became free. Default 1s.
+	StandbyPoll time.Duration
+	// MinBackoff and MaxBackoff bound the jittered, exponential wait between reconnects.
+	// Defaults 100ms and 10s.
+	MinBackoff, MaxBackoff time.Duration
+	// DrainTimeout bounds how long a stopping relay waits for PubAcks of what it published
+	// before it confirms and returns. Default 10s.
+	DrainTimeout time.Duration
+	// BackfillBatch is how many rows the first-start backfill reads per round trip. Default 1000.
+	BackfillBatch int
+
+	// Logger receives structured logs. Default: discard.
+	Logger *slog.Logger
+	// Registerer receives the relay's metrics. Default: none registered (metrics are still kept).
+	Registerer prometheus.Registerer
+}
+
+// StreamSettings are the JetStream settings the relay applies to the streams it creates and
+// checks on streams that exist.
+type StreamSettings struct {
+	// Duplicates is the Nats-Msg-Id deduplication window. Default 2m.
+	Duplicates time.Duration
+	// MaxAge drops events older than this. Default 0: kept until MaxBytes. Unfinished work is
+	// also recovered from Postgres, so a cap does not lose requests.
+	MaxAge time.Duration
+	// MaxBytes caps each stream's size; the oldest events go first. Default -1 (no cap).
+	MaxBytes int64
+	// Replicas is the stream replica count. Default 1.
+	Replicas int
+}
+
+var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+
+// ErrConfig wraps every configuration error.
+var ErrConfig = errors.New("relay config")
+
+func (c *Config) fill() error {
+	if c.DatabaseURL == "" {
+		return fmt.Errorf("%w: DatabaseURL is required", ErrConfig)
+	}
+	if c.NATS == nil {
+		return fmt.Errorf("%w: NATS connection is required", ErrConfig)
+	}
+	def := func(s *string, v string) {
+		if *s == "" {
+			*s = v
+		}
+	}
+	def(&c.SubjectPrefix, "agent")
+	def(&c.Slot, "baton")
+	def(&c.Publication, "baton")
+	def(&c.Schema, "public")
+	if err := subject.ValidatePrefix(c.SubjectPrefix); err != nil {
+		return fmt.Errorf("%w: subject prefix: %w", ErrConfig, err)
+	}
+	for name, v := range map[string]string{"slot": c.Slot, "publication": c.Publication} {
+		if !identRE.MatchString(v) {
+			return fmt.Errorf("%w: %s %q must match %s", ErrConfig, name, v, identRE)
+		}
+	}
+	def(&c.TurnsStream, StreamName(c.SubjectPrefix, subject.KindTurns))
+	def(&c.OutcomesStream, StreamName(c.SubjectPrefix, subject.KindOutcomes))
+	if c.Streams.Duplicates == 0 {
+		c.Streams.Duplicates = 2 * time.Minute
+	}
+	if c.Streams.MaxBytes == 0 {
+		c.Streams.MaxBytes = -1
+	}
+	if c.Streams.Replicas == 0 {
+		c.Streams.Replicas = 1
+	}
+	defDur := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	defDur(&c.AckTimeout, 10*time.Second)
+	defDur(&c.StatusInterval, time.Second)
+	defDur(&c.StandbyPoll, time.Second)
+	defDur(&c.MinBackoff, 100*time.Millisecond)
+	defDur(&c.MaxBackoff, 10*time.Second)
+	defDur(&c.DrainTimeout, 10*time.Second)
+	if c.MaxInFlight <= 0 {
+		c.MaxInFlight = 8192
+	}
+	if c.BackfillBatch <= 0 {
+		c.BackfillBatch = 1000
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	return nil
+}
+
+// StreamName returns the default stream name for a subject prefix and kind: "agent", "turns"
+// gives "AGENT_TURNS".
+func StreamName(prefix, kind string) string {
+	b := []byte(prefix + "_" + kind)
+	for i, c := range b {
+		switch {
+		case c >= 'a' && c <= 'z':
+			b[i] = c - 'a' + 'A'
+		case c == '.' || c == '-':
+			b[i] = '_'
+		}
+	}
+	return string(b)
+}

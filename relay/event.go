@@ -1,0 +1,150 @@
+package relay
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"time"
+	"unicode/utf8"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/batonhq/baton/internal/subject"
+)
+
+// Headers every event carries. Values are the ids themselves when they are printable UTF-8
+// without control characters; otherwise the subject token form ("~" + base64url) is used, so a
+// hostile id can never break the header block. The JSON body always carries the exact ids.
+const (
+	HeaderOutboxID       = "Baton-Outbox-Id"
+	HeaderConversationID = "Baton-Conversation-Id"
+	HeaderMessageID      = "Baton-Message-Id"
+	HeaderRole           = "Baton-Role"
+	// HeaderContentOmitted is "true" on an outcome whose content did not fit the server's max
+	// payload; read the content from the messages table by id.
+	HeaderContentOmitted = "Baton-Content-Omitted"
+)
+
+// AnswersPrefix is the prefix of the transactional logical decoding message a worker emits,
+// before inserting a reply, to tell the relay which outbox rows the reply answers:
+//
+//	SELECT pg_logical_emit_message(true, 'baton.answers', '{"message_id":"r1","outbox_ids":[1,2]}')
+//
+// The relay attaches the ids to the outcome event of that message in the same transaction.
+const AnswersPrefix = "baton.answers"
+
+// TurnEvent is the JSON body of a turn event: the outbox row as it was inserted. It carries no
+// message content: the outbox is a trigger, the content stays in messages.
+type TurnEvent struct {
+	OutboxID       int64     `json:"outbox_id"`
+	ConversationID string    `json:"conversation_id"`
+	MessageID      string    `json:"message_id"`
+	Status         string    `json:"status"`
+	Attempts       int       `json:"attempts"`
+	CreatedAt      time.Time `json:"created_at"`
+}
+
+// OutcomeEvent is the JSON body of an outcome event: an assistant reply or a visible error.
+type OutcomeEvent struct {
+	MessageID      string `json:"message_id"`
+	ConversationID string `json:"conversation_id"`
+	Role           string `json:"role"`
+	Content        string `json:"content,omitempty"`
+	// ContentOmitted is true when the content did not fit the server's max payload; ContentBytes
+	// still gives its size.
+	ContentOmitted bool      `json:"content_omitted,omitempty"`
+	ContentBytes   int       `json:"content_bytes"`
+	CreatedAt      time.Time `json:"created_at"`
+	// OutboxIDs are the outbox rows this message answers, when the worker announced them.
+	OutboxIDs []int64 `json:"outbox_ids,omitempty"`
+}
+
+// TurnMsgID is the Nats-Msg-Id of the turn event of an outbox row.
+func TurnMsgID(outboxID int64) string { return "turn:" + strconv.FormatInt(outboxID, 10) }
+
+// OutcomeMsgID is the Nats-Msg-Id of the outcome event of a message.
+func OutcomeMsgID(messageID string) string { return "outcome:" + headerValue(messageID) }
+
+// headerValue returns s when it is safe as a NATS header value, else its subject token.
+func headerValue(s string) string {
+	safe := utf8.ValidString(s) && s != ""
+	for i := 0; safe && i < len(s); i++ {
+		if s[i] < 0x20 || s[i] == 0x7f {
+			safe = false
+		}
+	}
+	if safe {
+		return s
+	}
+	if tok, err := subject.Token(s); err == nil {
+		return tok
+	}
+	return "~invalid"
+}
+
+// turnMsg builds the turn event of an outbox row.
+func turnMsg(prefix string, row TurnEvent) (*nats.Msg, error) {
+	subj, err := subject.Turns(prefix, row.ConversationID)
+	if err != nil {
+		return nil, fmt.Errorf("turn event for outbox %d: %w", row.OutboxID, err)
+	}
+	body, err := json.Marshal(row)
+	if err != nil {
+		return nil, fmt.Errorf("turn event for outbox %d: %w", row.OutboxID, err)
+	}
+	m := nats.NewMsg(subj)
+	m.Data = body
+	m.Header.Set(nats.MsgIdHdr, TurnMsgID(row.OutboxID))
+	m.Header.Set(HeaderOutboxID, strconv.FormatInt(row.OutboxID, 10))
+	m.Header.Set(HeaderConversationID, headerValue(row.ConversationID))
+	m.Header.Set(HeaderMessageID, headerValue(row.MessageID))
+	return m, nil
+}
+
+// outcomeMsg builds the outcome event of a reply. When the event would exceed maxPayload bytes
+// (body plus headers), it is built without content and flagged, never dropped.
+func outcomeMsg(prefix string, ev OutcomeEvent, maxPayload int) (*nats.Msg, error) {
+	subj, err := subject.Outcomes(prefix, ev.ConversationID)
+	if err != nil {
+		return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
+	}
+	ev.ContentBytes = len(ev.Content)
+	m := nats.NewMsg(subj)
+	m.Header.Set(nats.MsgIdHdr, OutcomeMsgID(ev.MessageID))
+	m.Header.Set(HeaderConversationID, headerValue(ev.ConversationID))
+	m.Header.Set(HeaderMessageID, headerValue(ev.MessageID))
+	m.Header.Set(HeaderRole, ev.Role)
+	if len(ev.OutboxIDs) > 0 {
+		m.Header.Set(HeaderOutboxID, joinIDs(ev.OutboxIDs))
+	}
+	// Headers are small; keep a generous margin for their encoding.
+	const headerRoom = 1024
+	if maxPayload > 0 && len(ev.Content)*6+headerRoom+512 > maxPayload {
+		// JSON may escape a byte into up to 6; measure the real size before deciding.
+		body, err := json.Marshal(ev)
+		if err != nil {
+			return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
+		}
+		if len(body)+headerRoom > maxPayload {
+			ev.Content, ev.ContentOmitted = "", true
+			m.Header.Set(HeaderContentOmitted, "true")
+		}
+	}
+	body, err := json.Marshal(ev)
+	if err != nil {
+		return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
+	}
+	m.Data = body
+	return m, nil
+}
+
+func joinIDs(ids []int64) string {
+	b := make([]byte, 0, len(ids)*8)
+	for i, id := range ids {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = strconv.AppendInt(b, id, 10)
+	}
+	return string(b)
+}

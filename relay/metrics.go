@@ -1,0 +1,62 @@
+package relay
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// metrics are the relay's Prometheus collectors, all prefixed baton_relay_.
+type metrics struct {
+	events         *prometheus.CounterVec // kind: turn|outcome|ignored|backfill
+	omitted        prometheus.Counter
+	publishLatency prometheus.Histogram
+	commitToAck    prometheus.Histogram
+	confirmedLSN   prometheus.Gauge
+	slotLagBytes   prometheus.Gauge
+	inFlight       prometheus.Gauge
+	active         prometheus.Gauge
+	reconnects     prometheus.Counter
+	errors         *prometheus.CounterVec // stage: postgres|nats|publish|decode
+	slotLost       prometheus.Gauge
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	latency := []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}
+	m := &metrics{
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_relay_events_total", Help: "Events acknowledged by JetStream, by kind (turn, outcome, backfill) and changes ignored.",
+		}, []string{"kind"}),
+		omitted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_relay_content_omitted_total", Help: "Outcome events published without content because it exceeded the max payload.",
+		}),
+		publishLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "baton_relay_publish_seconds", Help: "Time from publish to PubAck.", Buckets: latency,
+		}),
+		commitToAck: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "baton_relay_commit_to_ack_seconds", Help: "Time from the Postgres commit to the PubAck of its event.", Buckets: latency,
+		}),
+		confirmedLSN: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_relay_confirmed_lsn", Help: "The LSN last confirmed to Postgres (as a number).",
+		}),
+		slotLagBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_relay_slot_lag_bytes", Help: "Bytes between the server's WAL end and the confirmed LSN, as of the last keepalive.",
+		}),
+		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_relay_in_flight", Help: "Events published or queued and not yet acknowledged.",
+		}),
+		active: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_relay_active", Help: "1 while this relay holds the slot and streams, 0 as standby or reconnecting.",
+		}),
+		reconnects: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_relay_reconnects_total", Help: "Sessions restarted after an error.",
+		}),
+		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_relay_errors_total", Help: "Errors that ended a session, by stage.",
+		}, []string{"stage"}),
+		slotLost: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_relay_slot_lost", Help: "1 when the slot was invalidated (wal_status lost): recreate it, see the README.",
+		}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.events, m.omitted, m.publishLatency, m.commitToAck, m.confirmedLSN,
+			m.slotLagBytes, m.inFlight, m.active, m.reconnects, m.errors, m.slotLost)
+	}
+	return m
+}

@@ -1,0 +1,449 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/nats-io/nats.go/jetstream"
+	"golang.org/x/sync/errgroup"
+)
+
+// Relay streams the outbox publication to JetStream. Create it with New and call Run.
+type Relay struct {
+	cfg Config
+	m   *metrics
+
+	confirmed atomic.Uint64 // the LSN last made safe to confirm
+	active    atomic.Bool   // streaming from the slot
+	healthy   atomic.Bool   // connected and either streaming or standing by
+}
+
+// New validates cfg, fills its defaults and returns a Relay.
+func New(cfg Config) (*Relay, error) {
+	if err := cfg.fill(); err != nil {
+		return nil, err
+	}
+	return &Relay{cfg: cfg, m: newMetrics(cfg.Registerer)}, nil
+}
+
+// Confirmed returns the LSN the relay has made safe to confirm to Postgres.
+func (r *Relay) Confirmed() pglogrepl.LSN { return pglogrepl.LSN(r.confirmed.Load()) }
+
+// Active reports whether this relay holds the slot and streams.
+func (r *Relay) Active() bool { return r.active.Load() }
+
+// Ready reports whether the relay is connected and streaming or standing by.
+func (r *Relay) Ready() bool { return r.healthy.Load() }
+
+// Run streams until ctx ends, then stops reading, waits up to DrainTimeout for the PubAcks of
+// what it published, confirms them, and returns nil. Lost connections to Postgres or NATS are
+// retried with capped, jittered backoff, resuming from the slot's confirmed LSN. It returns an
+// error only for what retrying cannot fix: ErrSetup and ErrSlotLost.
+func (r *Relay) Run(ctx context.Context) error {
+	log := r.cfg.Logger
+	backoff := r.cfg.MinBackoff
+	for {
+		started := time.Now()
+		err := r.session(ctx)
+		r.active.Store(false)
+		r.m.active.Set(0)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if errors.Is(err, ErrSetup) || errors.Is(err, ErrSlotLost) {
+			r.healthy.Store(false)
+			return err
+		}
+		r.healthy.Store(false)
+		r.m.reconnects.Inc()
+		if time.Since(started) > time.Minute {
+			backoff = r.cfg.MinBackoff
+		}
+		wait := backoff/2 + rand.N(backoff/2+1)
+		log.Warn("relay session ended; reconnecting", "error", err, "retry_in", wait)
+		if retryIn(ctx, wait) != nil {
+			return nil
+		}
+		backoff = min(2*backoff, r.cfg.MaxBackoff)
+	}
+}
+
+// session connects, becomes the active relay (or waits as standby), prepares the slot and
+// streams until an error or ctx ends.
+func (r *Relay) session(ctx context.Context) error {
+	cfg := &r.cfg
+	log := cfg.Logger
+	conn, err := pgx.Connect(ctx, cfg.DatabaseURL)
+	if err != nil {
+		r.m.errors.WithLabelValues("postgres").Inc()
+		return fmt.Errorf("connect to postgres: %w", err)
+	}
+	defer func() { _ = conn.Close(context.WithoutCancel(ctx)) }()
+	if err := checkDatabase(ctx, conn, cfg); err != nil {
+		return err
+	}
+
+	// One active relay per slot: the holder of this session-level advisory lock. It is
+	// released when the holder's connection ends, however the holder died.
+	for standby := false; ; standby = true {
+		var got bool
+		if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock(hashtextextended('baton.relay.' || $1, 0))`,
+			cfg.Slot).Scan(&got); err != nil {
+			return fmt.Errorf("take relay lock: %w", err)
+		}
+		if got {
+			break
+		}
+		if !standby {
+			log.Info("another relay is active; standing by", "slot", cfg.Slot)
+		}
+		r.healthy.Store(true)
+		if err := retryIn(ctx, cfg.StandbyPoll); err != nil {
+			return err
+		}
+	}
+
+	js, err := jetstream.New(cfg.NATS)
+	if err != nil {
+		return fmt.Errorf("jetstream: %w", err)
+	}
+	if err := ensureStreams(ctx, js, cfg); err != nil {
+		r.m.errors.WithLabelValues("nats").Inc()
+		return err
+	}
+
+	replCfg, err := pgconn.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return fmt.Errorf("%w: parse database url: %w", ErrSetup, err)
+	}
+	replCfg.RuntimeParams["replication"] = "database"
+	replCfg.RuntimeParams["application_name"] = "baton-relay"
+	replCfg.RuntimeParams["timezone"] = "UTC"
+
+	for {
+		err := r.stream(ctx, conn, replCfg)
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "55006" { // object_in_use: slot active elsewhere
+			r.healthy.Store(true)
+			log.Info("slot is in use by another process; standing by", "slot", cfg.Slot)
+			if err := retryIn(ctx, cfg.StandbyPoll); err != nil {
+				return err
+			}
+			continue
+		}
+		return err
+	}
+}
+
+// stream prepares the slot (creating and backfilling it on first start) and streams from it.
+func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Config) error {
+	cfg := &r.cfg
+	log := cfg.Logger
+	repl, err := pgconn.ConnectConfig(ctx, replCfg)
+	if err != nil {
+		r.m.errors.WithLabelValues("postgres").Inc()
+		return fmt.Errorf("replication connection: %w", err)
+	}
+	defer func() { _ = repl.Close(context.WithoutCancel(ctx)) }()
+
+	slot, err := readSlot(ctx, conn, cfg)
+	if err != nil {
+		return err
+	}
+	if slot.exists && slot.walStatus == "lost" {
+		r.m.slotLost.Set(1)
+		return fmt.Errorf("%w: slot %s has wal_status lost: drop it with SELECT pg_drop_replication_slot('%s') "+
+			"and restart the relay to recreate it and backfill unfinished rows", ErrSlotLost, cfg.Slot, cfg.Slot)
+	}
+	if slot.exists && (slot.plugin != "pgoutput" || slot.database != conn.Config().Database) {
+		return fmt.Errorf("%w: slot %s belongs to plugin %q on database %q", ErrSetup, cfg.Slot, slot.plugin, slot.database)
+	}
+	if slot.exists && !slot.backfill {
+		// A relay died during its first-start backfill: nothing was streamed from this slot, so
+		// recreating it and backfilling again loses nothing (Nats-Msg-Id drops repeats).
+		log.Warn("slot has no finished backfill; recreating it", "slot", cfg.Slot)
+		if err := pglogrepl.DropReplicationSlot(ctx, repl, cfg.Slot, pglogrepl.DropReplicationSlotOptions{}); err != nil {
+			return fmt.Errorf("drop unfinished slot %s: %w", cfg.Slot, err)
+		}
+		slot.exists = false
+	}
+	if !slot.exists {
+		if err := r.createAndBackfill(ctx, conn, repl); err != nil {
+			return err
+		}
+	} else if lsn, err := pglogrepl.ParseLSN(slot.confirmed); err == nil && uint64(lsn) > r.confirmed.Load() {
+		r.confirmed.Store(uint64(lsn))
+	}
+
+	err = pglogrepl.StartReplication(ctx, repl, cfg.Slot, 0, pglogrepl.StartReplicationOptions{
+		Mode: pglogrepl.LogicalReplication,
+		PluginArgs: []string{"proto_version '1'", "publication_names '" + cfg.Publication + "'",
+			"messages 'true'"},
+	})
+	if err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "55000" {
+			r.m.slotLost.Set(1)
+			return fmt.Errorf("%w: %w", ErrSlotLost, err)
+		}
+		return fmt.Errorf("start replication on slot %s: %w", cfg.Slot, err)
+	}
+	log.Info("streaming", "slot", cfg.Slot, "lsn", r.Confirmed())
+	r.active.Store(true)
+	r.healthy.Store(true)
+	r.m.active.Set(1)
+	return r.replicate(ctx, repl)
+}
+
+// createAndBackfill creates the slot and publishes, from the snapshot the slot exported, every
+// outbox row that is pending or processing: the backlog of a team that polled before Baton.
+// Streaming then starts at the slot's consistent point, so each row is published once: rows
+// committed before it by the backfill, after it by the stream.
+func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgconn.PgConn) error {
+	cfg := &r.cfg
+	created, err := pglogrepl.CreateReplicationSlot(ctx, repl, cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
+		Mode:           pglogrepl.LogicalReplication,
+		SnapshotAction: "EXPORT_SNAPSHOT",
+	})
+	if err != nil {
+		return fmt.Errorf("create slot %s: %w", cfg.Slot, err)
+	}
+	point, err := pglogrepl.ParseLSN(created.ConsistentPoint)
+	if err != nil {
+		return fmt.Errorf("slot %s consistent point %q: %w", cfg.Slot, created.ConsistentPoint, err)
+	}
+	r.confirmed.Store(uint64(point))
+	n, err := r.backfill(ctx, conn, created.SnapshotName)
+	if err != nil {
+		return fmt.Errorf("backfill: %w", err)
+	}
+	if _, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows)
+		VALUES ($1, $2, $3) ON CONFLICT (slot_name) DO UPDATE
+		SET consistent_point = excluded.consistent_point, backfill_rows = excluded.backfill_rows, created_at = now()`,
+		cfg.Slot, created.ConsistentPoint, n); err != nil {
+		return fmt.Errorf("record backfill of slot %s: %w", cfg.Slot, err)
+	}
+	cfg.Logger.Info("created slot and backfilled unfinished rows", "slot", cfg.Slot, "lsn", point, "rows", n)
+	return nil
+}
+
+func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (int64, error) {
+	cfg := &r.cfg
+	var discard atomic.Uint64
+	p, err := newPipeline(cfg.NATS, cfg, r.m, &discard)
+	if err != nil {
+		return 0, err
+	}
+	var n int64
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return p.run(gctx.Done(), nil, 0) })
+	g.Go(func() error {
+		defer close(p.in)
+		tx, err := conn.BeginTx(gctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+		if err != nil {
+			return err
+		}
+		defer func() { _ = tx.Rollback(context.WithoutCancel(gctx)) }()
+		if _, err := tx.Exec(gctx, "SET TRANSACTION SNAPSHOT "+quoteLiteral(snapshot)); err != nil {
+			return fmt.Errorf("import snapshot: %w", err)
+		}
+		// One synthetic transaction that never closes: backfilled events confirm no LSN.
+		if err := p.feed(gctx, item{kind: itemBegin}); err != nil {
+			return err
+		}
+		rows, err := tx.Query(gctx, `SELECT id, conversation_id, message_id, status, attempts, created_at
+			FROM agent_outbox WHERE status IN ('pending', 'processing') ORDER BY id`)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var ev TurnEvent
+			if err := rows.Scan(&ev.OutboxID, &ev.ConversationID, &ev.MessageID, &ev.Status, &ev.Attempts, &ev.CreatedAt); err != nil {
+				return err
+			}
+			ev.CreatedAt = ev.CreatedAt.UTC()
+			msg, err := turnMsg(cfg.SubjectPrefix, ev)
+			if err != nil {
+				return err
+			}
+			if err := p.feed(gctx, item{kind: itemEvent, msg: msg}); err != nil {
+				return err
+			}
+			n++
+		}
+		return rows.Err()
+	})
+	if err := g.Wait(); err != nil {
+		return n, err
+	}
+	return n, nil
+}
+
+func quoteLiteral(s string) string {
+	return "'" + escapeQuotes(s) + "'"
+}
+
+func escapeQuotes(s string) string {
+	out := make([]byte, 0, len(s))
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\'' {
+			out = append(out, '\'')
+		}
+		out = append(out, s[i])
+	}
+	return string(out)
+}
+
+// replicate runs the reader (which owns the replication connection) and the pipeline until
+// one fails or ctx ends.
+func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn) error {
+	cfg := &r.cfg
+	p, err := newPipeline(cfg.NATS, cfg, r.m, &r.confirmed)
+	if err != nil {
+		return err
+	}
+	g, gctx := errgroup.WithContext(context.WithoutCancel(ctx))
+	stopping := ctx.Done()
+	g.Go(func() error {
+		err := p.run(gctx.Done(), stopping, cfg.DrainTimeout)
+		if errors.Is(err, errDrainTimeout) {
+			cfg.Logger.Warn("stopping without every PubAck; the unacknowledged events will be replayed", "in_flight", p.inFlight)
+			return nil
+		}
+		return err
+	})
+	g.Go(func() error { return r.read(ctx, gctx, repl, p) })
+	return g.Wait()
+}
+
+// read receives the replication stream, decodes it into p, and reports the confirmed LSN to
+// Postgres every StatusInterval and whenever the server asks. When ctx ends it stops reading,
+// waits for p to drain, and sends a last status before returning nil.
+func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline) error {
+	cfg := &r.cfg
+	dec := newDecoder(cfg.Schema, cfg.SubjectPrefix, int(cfg.NATS.MaxPayload()))
+	sendStatus := func() error {
+		lsn := pglogrepl.LSN(r.confirmed.Load())
+		// Write, flush and apply all set explicitly: pglogrepl copies the write position into
+		// zero fields, and the flush position is what the server treats as confirmed.
+		err := pglogrepl.SendStandbyStatusUpdate(gctx, repl, pglogrepl.StandbyStatusUpdate{
+			WALWritePosition: lsn, WALFlushPosition: lsn, WALApplyPosition: lsn, ClientTime: time.Now(),
+		})
+		if err != nil {
+			return fmt.Errorf("send standby status at %s: %w", lsn, err)
+		}
+		return nil
+	}
+	finish := func() error {
+		close(p.in)
+		select {
+		case <-p.done:
+		case <-time.After(cfg.DrainTimeout + time.Second):
+		}
+		err := sendStatus()
+		cfg.Logger.Info("relay stopped", "lsn", r.Confirmed())
+		return err
+	}
+
+	nextStatus := time.Now().Add(cfg.StatusInterval)
+	deadline, cancel := context.WithDeadline(context.Background(), nextStatus)
+	defer func() { cancel() }()
+	statusDue := func() error {
+		if time.Now().Before(nextStatus) {
+			return nil
+		}
+		nextStatus = time.Now().Add(cfg.StatusInterval)
+		cancel()
+		deadline, cancel = context.WithDeadline(context.Background(), nextStatus)
+		return sendStatus()
+	}
+	// deliver hands an item to the pipeline, keeping status updates flowing while it waits.
+	deliver := func(it item) error {
+		for {
+			select {
+			case p.in <- it:
+				return nil
+			case <-gctx.Done():
+				return nil
+			case <-deadline.Done():
+				if err := statusDue(); err != nil {
+					return err
+				}
+			}
+		}
+	}
+
+	for {
+		if ctx.Err() != nil {
+			return finish()
+		}
+		if gctx.Err() != nil {
+			return nil // the pipeline failed; its error is the session's
+		}
+		if err := statusDue(); err != nil {
+			return err
+		}
+		raw, err := repl.ReceiveMessage(deadline)
+		if err != nil {
+			if pgconn.Timeout(err) {
+				continue
+			}
+			r.m.errors.WithLabelValues("postgres").Inc()
+			return fmt.Errorf("receive replication message: %w", err)
+		}
+		switch msg := raw.(type) {
+		case *pgproto3.CopyData:
+			if len(msg.Data) == 0 {
+				continue
+			}
+			switch msg.Data[0] {
+			case pglogrepl.PrimaryKeepaliveMessageByteID:
+				ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(msg.Data[1:])
+				if err != nil {
+					return fmt.Errorf("parse keepalive: %w", err)
+				}
+				if c := r.confirmed.Load(); uint64(ka.ServerWALEnd) > c {
+					r.m.slotLagBytes.Set(float64(uint64(ka.ServerWALEnd) - c))
+				}
+				if err := deliver(item{kind: itemKeepalive, lsn: ka.ServerWALEnd}); err != nil {
+					return err
+				}
+				if ka.ReplyRequested {
+					if err := sendStatus(); err != nil {
+						return err
+					}
+				}
+			case pglogrepl.XLogDataByteID:
+				xld, err := pglogrepl.ParseXLogData(msg.Data[1:])
+				if err != nil {
+					return fmt.Errorf("parse xlogdata: %w", err)
+				}
+				it, err := dec.decode(xld.WALData)
+				if err != nil {
+					r.m.errors.WithLabelValues("decode").Inc()
+					return fmt.Errorf("decode at %s: %w", xld.WALStart, err)
+				}
+				if it.kind == itemNone {
+					continue
+				}
+				if err := deliver(it); err != nil {
+					return err
+				}
+			}
+		case *pgproto3.ErrorResponse:
+			r.m.errors.WithLabelValues("postgres").Inc()
+			return fmt.Errorf("replication stream: %w", pgconn.ErrorResponseToPgError(msg))
+		case *pgproto3.CopyDone:
+			return errors.New("server ended the replication stream")
+		}
+	}
+}

@@ -1,0 +1,175 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/batonhq/baton/internal/subject"
+)
+
+// ErrSetup wraps misconfiguration that retrying cannot fix: wal_level, the publication, the
+// role's privileges, or a stream with incompatible settings. Run returns it.
+var ErrSetup = errors.New("relay setup")
+
+// ErrSlotLost is returned by Run when the slot was invalidated (wal_status "lost", typically
+// after max_slot_wal_keep_size was exceeded): WAL the relay had not confirmed is gone. Recover
+// by dropping the slot (SELECT pg_drop_replication_slot('baton')) and starting the relay: it
+// recreates the slot and backfills every pending and processing outbox row.
+var ErrSlotLost = errors.New("replication slot lost")
+
+// checkDatabase verifies what logical replication of the outbox needs.
+func checkDatabase(ctx context.Context, conn *pgx.Conn, cfg *Config) error {
+	var walLevel string
+	var canReplicate bool
+	err := conn.QueryRow(ctx, `SELECT current_setting('wal_level'),
+		(SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user)`).Scan(&walLevel, &canReplicate)
+	if err != nil {
+		return fmt.Errorf("check database: %w", err)
+	}
+	if walLevel != "logical" {
+		return fmt.Errorf("%w: wal_level is %q; set wal_level = logical in postgresql.conf and restart Postgres", ErrSetup, walLevel)
+	}
+	if !canReplicate {
+		return fmt.Errorf("%w: role may not replicate; ALTER ROLE ... WITH REPLICATION", ErrSetup)
+	}
+	var insert bool
+	err = conn.QueryRow(ctx, `SELECT pubinsert FROM pg_publication WHERE pubname = $1`, cfg.Publication).Scan(&insert)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("%w: publication %q does not exist; run `baton migrate`", ErrSetup, cfg.Publication)
+	}
+	if err != nil {
+		return fmt.Errorf("check publication: %w", err)
+	}
+	if !insert {
+		return fmt.Errorf("%w: publication %q does not publish inserts", ErrSetup, cfg.Publication)
+	}
+	rows, err := conn.Query(ctx, `SELECT tablename::text FROM pg_publication_tables
+		WHERE pubname = $1 AND schemaname = $2`, cfg.Publication, cfg.Schema)
+	if err != nil {
+		return fmt.Errorf("check publication: %w", err)
+	}
+	tables, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return fmt.Errorf("check publication: %w", err)
+	}
+	for _, want := range []string{tableOutbox, tableMessages} {
+		if !slices.Contains(tables, want) {
+			return fmt.Errorf("%w: publication %q does not cover %s.%s (it has %v)", ErrSetup, cfg.Publication, cfg.Schema, want, tables)
+		}
+	}
+	return nil
+}
+
+// ensureStreams creates the turns and outcomes streams or checks the existing ones.
+func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) error {
+	for _, s := range []struct{ name, kind string }{
+		{cfg.TurnsStream, subject.KindTurns},
+		{cfg.OutcomesStream, subject.KindOutcomes},
+	} {
+		want := jetstream.StreamConfig{
+			Name:        s.name,
+			Description: "Baton " + s.kind + " events relayed from Postgres",
+			Subjects:    []string{subject.StreamFilter(cfg.SubjectPrefix, s.kind)},
+			Storage:     jetstream.FileStorage,
+			Retention:   jetstream.LimitsPolicy,
+			Discard:     jetstream.DiscardOld,
+			Duplicates:  cfg.Streams.Duplicates,
+			MaxAge:      cfg.Streams.MaxAge,
+			MaxBytes:    cfg.Streams.MaxBytes,
+			MaxMsgs:     -1,
+			Replicas:    cfg.Streams.Replicas,
+		}
+		st, err := js.Stream(ctx, s.name)
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			if _, err := js.CreateStream(ctx, want); err != nil {
+				if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+					continue // created by a concurrent relay; checked on its next start
+				}
+				return fmt.Errorf("create stream %s: %w", s.name, err)
+			}
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("look up stream %s: %w", s.name, err)
+		}
+		if err := compatible(st.CachedInfo().Config, want); err != nil {
+			return fmt.Errorf("%w: stream %s exists with %w; change it or set another stream name", ErrSetup, s.name, err)
+		}
+	}
+	return nil
+}
+
+// compatible reports the first setting of have that breaks what the relay relies on.
+func compatible(have, want jetstream.StreamConfig) error {
+	var bad []string
+	if !slices.Contains(have.Subjects, want.Subjects[0]) {
+		bad = append(bad, fmt.Sprintf("subjects %v (want %v)", have.Subjects, want.Subjects))
+	}
+	if have.Storage != want.Storage {
+		bad = append(bad, fmt.Sprintf("storage %s (want %s)", have.Storage, want.Storage))
+	}
+	if have.Retention != want.Retention {
+		bad = append(bad, fmt.Sprintf("retention %s (want %s)", have.Retention, want.Retention))
+	}
+	if have.Discard != want.Discard {
+		bad = append(bad, fmt.Sprintf("discard %s (want %s: discarding new events would reject publishes)", have.Discard, want.Discard))
+	}
+	if have.Duplicates < want.Duplicates {
+		bad = append(bad, fmt.Sprintf("duplicate window %s (want at least %s)", have.Duplicates, want.Duplicates))
+	}
+	if have.DenyDelete != want.DenyDelete || have.Sealed {
+		bad = append(bad, "sealed or deny-delete")
+	}
+	if len(bad) == 0 {
+		return nil
+	}
+	return errors.New(strings.Join(bad, ", "))
+}
+
+// slotInfo is the slot's row in pg_replication_slots.
+type slotInfo struct {
+	exists    bool
+	plugin    string
+	database  string
+	walStatus string
+	confirmed string
+	backfill  bool // the relay recorded a finished backfill for it
+}
+
+func readSlot(ctx context.Context, conn *pgx.Conn, cfg *Config) (slotInfo, error) {
+	var s slotInfo
+	err := conn.QueryRow(ctx, `SELECT coalesce(plugin, ''), coalesce(database, ''), coalesce(wal_status, ''),
+			coalesce(confirmed_flush_lsn::text, '')
+		FROM pg_replication_slots WHERE slot_name = $1`, cfg.Slot).Scan(&s.plugin, &s.database, &s.walStatus, &s.confirmed)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+	case err != nil:
+		return s, fmt.Errorf("read slot %s: %w", cfg.Slot, err)
+	default:
+		s.exists = true
+	}
+	err = conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM baton_relay_slots WHERE slot_name = $1)`, cfg.Slot).Scan(&s.backfill)
+	if err != nil {
+		return s, fmt.Errorf("read baton_relay_slots (run `baton migrate`): %w", err)
+	}
+	return s, nil
+}
+
+// retryIn waits d or until ctx ends.
+func retryIn(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
