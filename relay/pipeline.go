@@ -26,6 +26,7 @@ import (
 //     confirmed only when it arrives outside a transaction with nothing before it unacknowledged.
 type pipeline struct {
 	js         jetstream.JetStream
+	send       func(msg *nats.Msg, stream string) error // PublishMsgAsync; tests replace it
 	stream     func(outcome bool) string
 	maxPending int
 	m          *metrics
@@ -100,6 +101,10 @@ func newPipeline(nc *nats.Conn, cfg *Config, m *metrics, confirmed *atomic.Uint6
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
 	p.js = js
+	p.send = func(msg *nats.Msg, stream string) error {
+		_, err := js.PublishMsgAsync(msg, jetstream.WithExpectStream(stream))
+		return err
+	}
 	return p, nil
 }
 
@@ -121,7 +126,9 @@ var errDrainTimeout = errors.New("gave up waiting for PubAcks")
 func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Duration) error {
 	defer func() {
 		close(p.done)
-		p.js.CleanupPublisher()
+		if p.js != nil {
+			p.js.CleanupPublisher()
+		}
 		p.m.inFlight.Set(0)
 	}()
 	in := p.in
@@ -206,7 +213,7 @@ func (p *pipeline) publish(ev *pendingEvent) error {
 	ev.sentAt = time.Now()
 	p.byMsg[ev.msg] = ev
 	p.inFlight++
-	if _, err := p.js.PublishMsgAsync(ev.msg, jetstream.WithExpectStream(p.stream(ev.outcome))); err != nil {
+	if err := p.send(ev.msg, p.stream(ev.outcome)); err != nil {
 		p.m.errors.WithLabelValues("publish").Inc()
 		return fmt.Errorf("publish %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), err)
 	}

@@ -32,6 +32,7 @@ type command struct {
 
 var commands = map[string]command{
 	"migrate": {summary: migrateSummary, run: runMigrate},
+	"relay":   {summary: relaySummary, run: runRelay},
 	"version": {summary: versionSummary, run: runVersion},
 }
 

@@ -135,7 +135,12 @@ func NewDatabase(t testing.TB) *Database {
 		t.Fatalf("create test database: %v", err)
 	}
 	db := &Database{Name: name, URL: withDatabase(shared.base, name)}
-	pool, err := pgxpool.New(ctx, db.URL)
+	pcfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatalf("parse test database url: %v", err)
+	}
+	pcfg.MaxConns = 20 // tests run writers and observers side by side; 2 cores would give 4
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		t.Fatalf("connect to test database: %v", err)
 	}

@@ -1,0 +1,95 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/internal/opsserver"
+	"github.com/batonhq/baton/relay"
+)
+
+const relaySummary = "stream the outbox from Postgres logical replication to NATS JetStream"
+
+func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("relay", `Relay tails the publication with pgoutput and publishes every committed outbox row to
+<prefix>.turns.<conv> and every reply to <prefix>.outcomes.<conv>, confirming the slot's LSN
+only after JetStream acknowledged. Run two for high availability: one streams, the other
+stands by and takes over when the first goes away. SIGTERM stops reading, waits for
+acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
+	dupWindow := fs.Duration("dup-window", 2*time.Minute, "JetStream duplicate window for the streams it creates")
+	maxInFlight := fs.Int("max-in-flight", 8192, "events published or queued without a PubAck, at most")
+	drain := fs.Duration("drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for PubAcks")
+	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
+		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvMetricsAddr)
+	if err != nil {
+		return err
+	}
+	if err := cfg.Require(config.EnvDatabaseURL, config.EnvNATSURL); err != nil {
+		return err
+	}
+	log.Info("starting relay", "config", cfg)
+
+	nc, err := connectNATS(cfg, "baton-relay")
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+
+	reg := opsserver.NewRegistry()
+	r, err := relay.New(relay.Config{
+		DatabaseURL:   cfg.DatabaseURL,
+		NATS:          nc,
+		SubjectPrefix: cfg.SubjectPrefix,
+		Slot:          cfg.Slot,
+		Publication:   cfg.Publication,
+		Streams:       relay.StreamSettings{Duplicates: *dupWindow},
+		MaxInFlight:   *maxInFlight,
+		DrainTimeout:  *drain,
+		Logger:        log,
+		Registerer:    reg,
+	})
+	if err != nil {
+		return err
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		err := r.Run(gctx)
+		if err != nil {
+			return fmt.Errorf("relay: %w", err)
+		}
+		return errStopped // stop the metrics server too
+	})
+	if cfg.MetricsAddr != "" {
+		g.Go(func() error { return opsserver.Serve(gctx, cfg.MetricsAddr, reg, r.Ready) })
+	}
+	if err := g.Wait(); err != nil && !errors.Is(err, errStopped) {
+		return err
+	}
+	return nil
+}
+
+// errStopped ends an errgroup when its main task returned cleanly.
+var errStopped = errors.New("stopped")
+
+// connectNATS connects with unlimited reconnects: a NATS restart must be survived, not fatal.
+// Errors and logs carry the redacted URL only.
+func connectNATS(cfg *config.Config, name string) (*nats.Conn, error) {
+	nc, err := nats.Connect(cfg.NATSURL,
+		nats.Name(name),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(250*time.Millisecond),
+		nats.ReconnectJitter(100*time.Millisecond, time.Second),
+		nats.RetryOnFailedConnect(false),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("connect to NATS at %s: %w", config.Redact(cfg.NATSURL), err)
+	}
+	return nc, nil
+}

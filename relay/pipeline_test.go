@@ -1,0 +1,127 @@
+package relay
+
+import (
+	"errors"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/require"
+)
+
+// fakePipeline is a pipeline whose publishes are recorded instead of sent, so the delivery
+// rules can be checked step by step.
+type fakePipeline struct {
+	*pipeline
+	sent []*nats.Msg
+}
+
+func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
+	t.Helper()
+	var confirmed atomic.Uint64
+	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}, MaxInFlight: maxPending}
+	require.NoError(t, cfg.fill())
+	p := &pipeline{
+		stream:     func(bool) string { return "S" },
+		maxPending: maxPending,
+		m:          newMetrics(nil),
+		subjects:   map[string]*subjectQueue{},
+		byMsg:      map[*nats.Msg]*pendingEvent{},
+		confirmed:  &confirmed,
+	}
+	f := &fakePipeline{pipeline: p}
+	p.send = func(msg *nats.Msg, _ string) error { f.sent = append(f.sent, msg); return nil }
+	return f
+}
+
+func (f *fakePipeline) step(t *testing.T, items ...item) {
+	t.Helper()
+	for _, it := range items {
+		require.NoError(t, f.handle(it))
+	}
+}
+
+func (f *fakePipeline) ackMsg(t *testing.T, m *nats.Msg) {
+	t.Helper()
+	require.NoError(t, f.ack(ackResult{msg: m}))
+}
+
+func (f *fakePipeline) lsn() pglogrepl.LSN { return pglogrepl.LSN(f.confirmed.Load()) }
+
+func begin() item               { return item{kind: itemBegin} }
+func commit(lsn uint64) item    { return item{kind: itemCommit, lsn: pglogrepl.LSN(lsn)} }
+func keepalive(lsn uint64) item { return item{kind: itemKeepalive, lsn: pglogrepl.LSN(lsn)} }
+func event(subj string) (item, *nats.Msg) {
+	m := nats.NewMsg(subj)
+	return item{kind: itemEvent, msg: m}, m
+}
+
+func TestConfirmWaitsForEveryAckOfTheTransaction(t *testing.T) {
+	f := newFakePipeline(t, 100)
+	e1, m1 := event("a")
+	e2, m2 := event("b")
+	f.step(t, begin(), e1, e2, commit(100))
+	require.Zero(t, f.lsn(), "nothing acknowledged yet")
+	f.ackMsg(t, m2)
+	require.Zero(t, f.lsn(), "one event of the transaction still unacknowledged")
+	f.ackMsg(t, m1)
+	require.EqualValues(t, 100, f.lsn())
+}
+
+func TestConfirmOnlyTheAcknowledgedPrefix(t *testing.T) {
+	f := newFakePipeline(t, 100)
+	e1, m1 := event("a")
+	e2, m2 := event("b")
+	e3, m3 := event("c")
+	f.step(t, begin(), e1, commit(100), begin(), e2, commit(200), begin(), e3, commit(300))
+	f.ackMsg(t, m3)
+	f.ackMsg(t, m2)
+	require.Zero(t, f.lsn(), "later transactions acknowledged first must wait for the first")
+	f.ackMsg(t, m1)
+	require.EqualValues(t, 300, f.lsn())
+}
+
+func TestKeepaliveConfirmsOnlyWhenNothingIsOutstanding(t *testing.T) {
+	f := newFakePipeline(t, 100)
+	e1, m1 := event("a")
+	f.step(t, keepalive(50))
+	require.EqualValues(t, 50, f.lsn(), "an idle outbox confirms the server's WAL end")
+
+	f.step(t, begin(), e1, keepalive(500))
+	require.EqualValues(t, 50, f.lsn(), "a keepalive inside a transaction is never confirmed")
+	f.step(t, commit(100), keepalive(600))
+	require.EqualValues(t, 50, f.lsn(), "a keepalive behind an unacknowledged transaction waits")
+	f.ackMsg(t, m1)
+	require.EqualValues(t, 600, f.lsn(), "then it is confirmed with the transaction")
+}
+
+func TestEmptyTransactionConfirmsAtCommit(t *testing.T) {
+	f := newFakePipeline(t, 100)
+	f.step(t, begin(), item{kind: itemIgnored}, commit(70))
+	require.EqualValues(t, 70, f.lsn())
+}
+
+func TestOneEventInFlightPerSubject(t *testing.T) {
+	f := newFakePipeline(t, 100)
+	a1, ma1 := event("conv.a")
+	a2, ma2 := event("conv.a")
+	b1, mb1 := event("conv.b")
+	f.step(t, begin(), a1, a2, b1, commit(10))
+	require.Equal(t, []*nats.Msg{ma1, mb1}, f.sent, "the second event of conv.a waits for the first's PubAck")
+	f.ackMsg(t, ma1)
+	require.Equal(t, []*nats.Msg{ma1, mb1, ma2}, f.sent)
+	f.ackMsg(t, mb1)
+	f.ackMsg(t, ma2)
+	require.EqualValues(t, 10, f.lsn())
+	require.Empty(t, f.subjects)
+}
+
+func TestPublishErrorEndsThePipeline(t *testing.T) {
+	f := newFakePipeline(t, 100)
+	e1, m1 := event("a")
+	f.step(t, begin(), e1, commit(10))
+	err := f.ack(ackResult{msg: m1, err: errors.New("boom")})
+	require.ErrorContains(t, err, "boom")
+	require.Zero(t, f.lsn())
+}
