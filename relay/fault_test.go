@@ -313,18 +313,11 @@ func TestNATSOutageConfirmsOnlyAcknowledged(t *testing.T) {
 // storedTimes maps outbox ids to the time JetStream stored their event.
 func storedTimes(t *testing.T, b *bundle) map[int64]time.Time {
 	t.Helper()
-	ctx := ctxT(t, time.Minute)
-	s, err := b.js.Stream(ctx, "AGENT_TURNS")
-	require.NoError(t, err)
 	out := map[int64]time.Time{}
-	info, err := s.Info(ctx)
-	require.NoError(t, err)
-	for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
-		m, err := s.GetMsg(ctx, seq)
+	for _, m := range b.readStream(t, "AGENT_TURNS") {
+		id, err := strconv.ParseInt(m.header.Get(relay.HeaderOutboxID), 10, 64)
 		require.NoError(t, err)
-		id, err := strconv.ParseInt(m.Header.Get(relay.HeaderOutboxID), 10, 64)
-		require.NoError(t, err)
-		out[id] = m.Time
+		out[id] = m.stored
 	}
 	return out
 }

@@ -128,6 +128,7 @@ func send(ctx context.Context, db interface {
 
 type got struct {
 	seq     uint64
+	stored  time.Time
 	subject string
 	header  nats.Header
 	data    []byte
@@ -168,7 +169,7 @@ func (b *bundle) readStream(t *testing.T, stream string) []got {
 		for m := range batch.Messages() {
 			md, err := m.Metadata()
 			require.NoError(t, err)
-			out = append(out, got{seq: md.Sequence.Stream, subject: m.Subject(), header: m.Headers(), data: m.Data()})
+			out = append(out, got{seq: md.Sequence.Stream, stored: md.Timestamp, subject: m.Subject(), header: m.Headers(), data: m.Data()})
 		}
 		require.NoError(t, batch.Error())
 	}

@@ -105,6 +105,12 @@ func StartPostgres(ctx context.Context) (*Postgres, error) {
 		_ = os.RemoveAll(dir)
 		return nil, fmt.Errorf("initdb: %w: %s", err, out)
 	}
+	// Settings go to postgresql.conf, not the command line, so a test can still change them
+	// with ALTER SYSTEM (command-line settings would override it).
+	if err := appendFile(filepath.Join(p.dataDir(), "postgresql.conf"), serverSettings); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
+	}
 	if p.Port, err = freePort(); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
@@ -114,6 +120,35 @@ func StartPostgres(ctx context.Context) (*Postgres, error) {
 		return nil, err
 	}
 	return p, nil
+}
+
+// serverSettings are what every throwaway cluster runs with: logical replication, room for
+// many tests' slots, and no fsync (a killed process loses nothing the OS already has).
+const serverSettings = `
+# baton test cluster
+wal_level = logical
+max_replication_slots = 64
+max_wal_senders = 64
+max_connections = 300
+shared_buffers = 128MB
+fsync = off
+full_page_writes = off
+synchronous_commit = on
+wal_sender_timeout = 60s
+max_slot_wal_keep_size = 4GB
+log_min_messages = warning
+`
+
+func appendFile(path, text string) error {
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", path, err)
+	}
+	if _, err := f.WriteString(text); err != nil {
+		_ = f.Close()
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return f.Close()
 }
 
 func (p *Postgres) dataDir() string { return filepath.Join(p.Dir, "data") }
@@ -147,17 +182,6 @@ func (p *Postgres) Start(ctx context.Context) error {
 		"-p", strconv.Itoa(p.Port),
 		"-c", "listen_addresses=127.0.0.1",
 		"-c", "unix_socket_directories="+p.Dir,
-		"-c", "wal_level=logical",
-		"-c", "max_replication_slots=64",
-		"-c", "max_wal_senders=64",
-		"-c", "max_connections=300",
-		"-c", "shared_buffers=128MB",
-		"-c", "fsync=off",
-		"-c", "full_page_writes=off",
-		"-c", "synchronous_commit=on",
-		"-c", "wal_sender_timeout=60s",
-		"-c", "max_slot_wal_keep_size=4GB",
-		"-c", "log_min_messages=warning",
 	)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {

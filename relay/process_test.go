@@ -1,0 +1,214 @@
+package relay_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/migrations"
+	"github.com/batonhq/baton/relay"
+)
+
+// peakRSS reads a process's peak resident set size.
+func peakRSS(t *testing.T, pid int) int64 {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	require.NoError(t, err)
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
+			require.NoError(t, err)
+			return kb << 10
+		}
+	}
+	t.Fatal("no VmHWM in /proc status")
+	return 0
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := l.Addr().String()
+	require.NoError(t, l.Close())
+	return addr
+}
+
+func httpGet(t *testing.T, url string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctxT(t, 10*time.Second), http.MethodGet, url, nil)
+	require.NoError(t, err)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer func() { _ = resp.Body.Close() }()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body)
+}
+
+func TestLargeTransactionWithBoundedMemory(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := ctxT(t, 5*time.Minute)
+	convs := conversationIDs(100)
+	createConversations(t, b.db.Pool, convs...)
+	p := b.startProcess(t)
+	select {
+	case <-p.streaming:
+	case <-time.After(time.Minute):
+		t.Fatal("relay process never streamed")
+	}
+	// One transaction of 100k outbox rows, each with a 1 KiB user message.
+	_, err := b.db.Pool.Exec(ctx, `WITH m AS (
+			INSERT INTO messages (id, conversation_id, role, content)
+			SELECT 'big-' || g, 'c' || lpad((g % 100)::text, 3, '0'), 'user', repeat('x', 1024)
+			FROM generate_series(1, 100000) g RETURNING id, conversation_id)
+		INSERT INTO agent_outbox (conversation_id, message_id) SELECT conversation_id, id FROM m ORDER BY id`)
+	require.NoError(t, err)
+	msgs := b.waitStream(t, "AGENT_TURNS", 100000, 3*time.Minute)
+	require.Len(t, msgs, 100000)
+	rss := peakRSS(t, p.cmd.Process.Pid)
+	t.Logf("relay peak RSS after a 100k-row transaction: %d MiB", rss>>20)
+	require.Less(t, rss, int64(64<<20), "the relay's memory must not grow with the transaction")
+}
+
+func TestGracefulStopConfirmsAndExitsZero(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := ctxT(t, 3*time.Minute)
+	convs := conversationIDs(20)
+	createConversations(t, b.db.Pool, convs...)
+	addr := freeAddr(t)
+
+	cmd := exec.Command(batonBinary(t), "relay", "--metrics-addr", addr)
+	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+b.db.URL, "BATON_NATS_URL="+b.nats.URL(),
+		"BATON_SLOT="+b.cfg.Slot, "BATON_LOG_FORMAT=json")
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	lines := make(chan string, 1000)
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			select {
+			case lines <- sc.Text():
+			default:
+			}
+		}
+		close(lines)
+	}()
+
+	// Ready once streaming; health answers throughout.
+	require.Eventually(t, func() bool { code, _ := httpGet(t, "http://"+addr+"/readyz"); return code == 200 }, time.Minute, 20*time.Millisecond)
+	code, _ := httpGet(t, "http://"+addr+"/healthz")
+	require.Equal(t, 200, code)
+
+	stop := make(chan struct{})
+	wait := producers(ctx, t, b.db.Pool, convs, 4, 0, stop)
+	require.Eventually(t, func() bool { return len(b.readStream(t, "AGENT_TURNS")) > 300 }, time.Minute, 20*time.Millisecond)
+
+	code, metrics := httpGet(t, "http://"+addr+"/metrics")
+	require.Equal(t, 200, code)
+	for _, name := range []string{"baton_relay_events_total{kind=\"turn\"}", "baton_relay_publish_seconds_bucket",
+		"baton_relay_commit_to_ack_seconds_bucket", "baton_relay_confirmed_lsn", "baton_relay_slot_lag_bytes",
+		"baton_relay_in_flight", "baton_relay_active 1", "baton_relay_reconnects_total", "baton_relay_slot_lost 0"} {
+		require.Contains(t, metrics, name)
+	}
+
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, cmd.Wait(), "SIGTERM must end the relay with exit 0")
+	close(stop)
+	wait()
+	for l := range lines {
+		require.NotContains(t, l, `"level":"ERROR"`)
+	}
+
+	// What it published is confirmed: the slot's position covers every event in the stream,
+	// and a new relay publishes the rest without doubling anything.
+	published := len(b.readStream(t, "AGENT_TURNS"))
+	var confirmed string
+	require.NoError(t, b.db.Pool.QueryRow(ctx, `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1`, b.cfg.Slot).Scan(&confirmed))
+	require.NotEqual(t, "0/0", confirmed)
+	t.Logf("stopped after %d events at %s", published, confirmed)
+	b.startActive(t)
+	want := truth(t, b.db.Pool)
+	assertExactlyOnceInOrder(t, b.waitStream(t, "AGENT_TURNS", len(want), time.Minute), want)
+}
+
+func TestLostSlotIsLoudAndRecoverable(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t, 3*time.Minute)
+	// A cluster of its own: the slot WAL cap is cluster-wide.
+	pg, err := testsvc.StartPostgres(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, pg.Close()) })
+	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = migrations.Up(ctx, conn)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'`)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `SELECT pg_reload_conf()`)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `INSERT INTO conversations (id) VALUES ('c')`)
+	require.NoError(t, err)
+
+	b := setup(t)
+	b.cfg.DatabaseURL = pg.URL("postgres")
+	b.cfg.Slot = "baton"
+	b.db = &testsvc.Database{Name: "postgres", URL: pg.URL("postgres")}
+	r, err := relay.New(b.cfg)
+	require.NoError(t, err)
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(runCtx) }()
+	require.Eventually(t, r.Active, time.Minute, 10*time.Millisecond)
+	cancel()
+	require.NoError(t, <-done)
+
+	// While no relay runs, a row is committed and then far more WAL than the cap is written.
+	_, err = send(ctx, conn, "c", "lost-1")
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `CREATE TABLE filler (v text)`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		_, err := conn.Exec(ctx, `INSERT INTO filler SELECT repeat('x', 500) FROM generate_series(1, 20000); SELECT pg_switch_wal(); CHECKPOINT; CHECKPOINT`)
+		require.NoError(t, err)
+		var status string
+		require.NoError(t, conn.QueryRow(ctx, `SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'baton'`).Scan(&status))
+		return status == "lost"
+	}, time.Minute, 10*time.Millisecond)
+
+	// The relay refuses, loudly: an error that says what to do, a metric, a non-zero exit.
+	cmd := exec.Command(batonBinary(t), "relay")
+	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+pg.URL("postgres"), "BATON_NATS_URL="+b.nats.URL())
+	out, err := cmd.CombinedOutput()
+	require.Error(t, err, "a lost slot must end the relay with a non-zero exit")
+	require.Contains(t, string(out), "replication slot lost")
+	require.Contains(t, string(out), "pg_drop_replication_slot")
+
+	// The documented recovery: drop the slot; the relay recreates it and backfills the row.
+	_, err = conn.Exec(ctx, `SELECT pg_drop_replication_slot('baton')`)
+	require.NoError(t, err)
+	b.startActive(t)
+	msgs := b.waitStream(t, "AGENT_TURNS", 1, time.Minute)
+	require.Equal(t, relay.TurnMsgID(1), msgs[0].header.Get("Nats-Msg-Id"))
+	t.Cleanup(func() { _, _ = conn.Exec(context.Background(), `SELECT pg_drop_replication_slot('baton')`) })
+}
