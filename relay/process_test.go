@@ -212,3 +212,42 @@ func TestLostSlotIsLoudAndRecoverable(t *testing.T) {
 	require.Equal(t, relay.TurnMsgID(1), msgs[0].header.Get("Nats-Msg-Id"))
 	t.Cleanup(func() { _, _ = conn.Exec(context.Background(), `SELECT pg_drop_replication_slot('baton')`) })
 }
+
+func TestStartupChecksNameTheProblem(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t, 2*time.Minute)
+	b := setup(t)
+
+	// A role without REPLICATION.
+	_, err := b.db.Pool.Exec(ctx, `CREATE ROLE `+b.db.Name+`_app LOGIN`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = b.db.Pool.Exec(context.Background(), `DROP OWNED BY `+b.db.Name+`_app; DROP ROLE `+b.db.Name+`_app`)
+	})
+	cfg := b.cfg
+	cfg.DatabaseURL = strings.Replace(b.db.URL, "postgres@", b.db.Name+"_app@", 1)
+	r, err := relay.New(cfg)
+	require.NoError(t, err)
+	err = r.Run(ctx)
+	require.ErrorIs(t, err, relay.ErrSetup)
+	require.ErrorContains(t, err, "may not replicate")
+
+	// wal_level below logical, on a cluster of its own.
+	pg, err := testsvc.StartPostgres(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, pg.Close()) })
+	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `ALTER SYSTEM SET wal_level = 'replica'`)
+	require.NoError(t, err)
+	require.NoError(t, conn.Close(ctx))
+	require.NoError(t, pg.Stop())
+	require.NoError(t, pg.Start(ctx))
+	cfg = b.cfg
+	cfg.DatabaseURL = pg.URL("postgres")
+	r, err = relay.New(cfg)
+	require.NoError(t, err)
+	err = r.Run(ctx)
+	require.ErrorIs(t, err, relay.ErrSetup)
+	require.ErrorContains(t, err, `wal_level is "replica"`)
+}
