@@ -161,7 +161,7 @@ func assertSchema(ctx context.Context, t *testing.T, pool *pgxpool.Pool) {
 	require.NoError(t, err)
 	cascading, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
-	require.Equal(t, []string{"agent_outbox", "messages", "operations"}, cascading)
+	require.Equal(t, []string{"agent_outbox", "agent_runs", "messages", "operations"}, cascading)
 
 	// The publication: inserts only; the outbox whole, messages filtered to replies.
 	var ins, upd, del bool

@@ -1,0 +1,135 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/batonhq/baton/internal/subject"
+	"github.com/batonhq/baton/relay"
+)
+
+// Config configures a Worker. Zero values take the defaults named on each field.
+type Config struct {
+	// Pool is the Postgres pool the worker claims and commits with. Required.
+	Pool *pgxpool.Pool
+	// Handler runs each turn. Required.
+	Handler Handler
+
+	// NATS selects the JetStream source: a durable pull consumer on the turns stream, with a
+	// slow sweep of Postgres for anything no event woke. Nil selects the polling source, which
+	// claims straight from agent_outbox. Both run the same claim, turn and commit code.
+	NATS *nats.Conn
+	// SubjectPrefix is the relay's subject prefix. Default "agent".
+	SubjectPrefix string
+	// Stream is the turns stream. Default: the relay's default for the prefix ("AGENT_TURNS").
+	Stream string
+	// Durable names the shared durable consumer. Default "baton-workers".
+	Durable string
+	// Name identifies this worker in agent_runs. Default: host name and process id.
+	Name string
+
+	// Debounce is how long a worker waits after the first event of an idle conversation before
+	// claiming, so a burst of messages becomes one turn. Default 5ms.
+	Debounce time.Duration
+	// Lease is how long a claim holds its rows without renewal; it is renewed every Lease/3
+	// while the turn runs. Default 30s.
+	Lease time.Duration
+	// MaxAttempts caps claims of a row; the last failure commits a visible error. Default 3.
+	MaxAttempts int
+	// BackoffBase and BackoffMax shape the wait before a failed row is claimable again:
+	// BackoffBase doubled per attempt, at most BackoffMax. Defaults 1s and 1m.
+	BackoffBase, BackoffMax time.Duration
+	// MaxConcurrentTurns bounds the turns this worker runs at once. Default 32.
+	MaxConcurrentTurns int
+	// PollInterval is how often the polling source looks for pending rows. Default 250ms.
+	PollInterval time.Duration
+	// SweepInterval is how often the JetStream source sweeps Postgres for pending rows that no
+	// event woke (older than the interval). Default 15s.
+	SweepInterval time.Duration
+	// RecoveryInterval is how often expired leases are recovered. Default 5s.
+	RecoveryInterval time.Duration
+	// AckWait is the consumer's ack wait; held events get InProgress every AckWait/3.
+	// Default 30s.
+	AckWait time.Duration
+	// MaxAckPending bounds the events held by all workers of the durable. Default 20000.
+	MaxAckPending int
+	// ShutdownGrace is how long running turns may finish after the worker is told to stop;
+	// then their context is cancelled and their rows are released. Default 10s.
+	ShutdownGrace time.Duration
+
+	// Logger receives structured logs. Default: discard.
+	Logger *slog.Logger
+	// Registerer receives the worker's metrics. Default: none registered.
+	Registerer prometheus.Registerer
+}
+
+// ErrConfig wraps every configuration error.
+var ErrConfig = errors.New("consumer config")
+
+func (c *Config) fill() error {
+	if c.Pool == nil {
+		return fmt.Errorf("%w: Pool is required", ErrConfig)
+	}
+	if c.Handler == nil {
+		return fmt.Errorf("%w: Handler is required", ErrConfig)
+	}
+	if c.SubjectPrefix == "" {
+		c.SubjectPrefix = "agent"
+	}
+	if err := subject.ValidatePrefix(c.SubjectPrefix); err != nil {
+		return fmt.Errorf("%w: %w", ErrConfig, err)
+	}
+	if c.Stream == "" {
+		c.Stream = relay.StreamName(c.SubjectPrefix, subject.KindTurns)
+	}
+	if c.Durable == "" {
+		c.Durable = "baton-workers"
+	}
+	if c.Name == "" {
+		host, _ := os.Hostname()
+		c.Name = fmt.Sprintf("%s-%d", host, os.Getpid())
+	}
+	dur := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	dur(&c.Debounce, 5*time.Millisecond)
+	dur(&c.Lease, 30*time.Second)
+	dur(&c.BackoffBase, time.Second)
+	dur(&c.BackoffMax, time.Minute)
+	dur(&c.PollInterval, 250*time.Millisecond)
+	dur(&c.SweepInterval, 15*time.Second)
+	dur(&c.RecoveryInterval, 5*time.Second)
+	dur(&c.AckWait, 30*time.Second)
+	dur(&c.ShutdownGrace, 10*time.Second)
+	if c.MaxAttempts <= 0 {
+		c.MaxAttempts = 3
+	}
+	if c.MaxConcurrentTurns <= 0 {
+		c.MaxConcurrentTurns = 32
+	}
+	if c.MaxAckPending <= 0 {
+		c.MaxAckPending = 20000
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	return nil
+}
+
+func (c *Config) backoff(attempt int) time.Duration {
+	d := c.BackoffBase
+	for i := 1; i < attempt && d < c.BackoffMax; i++ {
+		d *= 2
+	}
+	return min(d, c.BackoffMax)
+}

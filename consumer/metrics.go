@@ -1,0 +1,53 @@
+package consumer
+
+import "github.com/prometheus/client_golang/prometheus"
+
+type metrics struct {
+	turns          *prometheus.CounterVec // outcome: done|retry|error|lease_lost|cancelled|commit_failed
+	turnSeconds    prometheus.Histogram
+	claimConflicts prometheus.Counter
+	oldestPending  prometheus.Gauge
+	recoveries     *prometheus.CounterVec // result: pending|failed
+	attempts       prometheus.Histogram
+	operations     *prometheus.CounterVec // effect
+	events         *prometheus.CounterVec // result: acked|nacked|terminated
+	running        prometheus.Gauge
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		turns: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_worker_turns_total", Help: "Turns by outcome: done, retry, error (visible failure), lease_lost, cancelled (conversation deleted), commit_failed.",
+		}, []string{"outcome"}),
+		turnSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "baton_worker_turn_seconds", Help: "Claim to final commit.",
+			Buckets: []float64{.001, .005, .01, .05, .1, .5, 1, 5, 10, 30, 60, 300},
+		}),
+		claimConflicts: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_worker_claim_conflicts_total", Help: "Claims that found the conversation held by another run.",
+		}),
+		oldestPending: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_worker_oldest_pending_seconds", Help: "Age of the oldest pending outbox row, as of the last sweep.",
+		}),
+		recoveries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_worker_recoveries_total", Help: "Runs with expired leases recovered: back to pending, or failed visibly.",
+		}, []string{"result"}),
+		attempts: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "baton_worker_claim_attempts", Help: "The attempt number of each claimed turn.", Buckets: []float64{1, 2, 3, 5, 10},
+		}),
+		operations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_worker_operations_total", Help: "Tool calls recorded, by effect.",
+		}, []string{"effect"}),
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_worker_events_total", Help: "JetStream turn events settled: acked, nacked (redelivered later), terminated (malformed).",
+		}, []string{"result"}),
+		running: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_worker_running_turns", Help: "Turns running now.",
+		}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.turns, m.turnSeconds, m.claimConflicts, m.oldestPending, m.recoveries, m.attempts,
+			m.operations, m.events, m.running)
+	}
+	return m
+}

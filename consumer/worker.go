@@ -1,0 +1,500 @@
+package consumer
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"golang.org/x/sync/errgroup"
+)
+
+// Worker runs turns. Create it with New and call Run.
+type Worker struct {
+	cfg   Config
+	store *store
+	m     *metrics
+
+	sem   chan struct{}
+	mu    sync.Mutex
+	convs map[string]*convState
+	loops sync.WaitGroup
+}
+
+// convState is what a worker holds for one conversation: the events waiting for their rows
+// to become terminal, and whether a conversation loop runs.
+type convState struct {
+	events []event
+	active bool
+}
+
+// event is one turn event held until its row is terminal. msg is nil for the polling source.
+type event struct {
+	outboxID int64
+	msg      jetstream.Msg
+}
+
+// New validates cfg, fills its defaults and returns a Worker.
+func New(cfg Config) (*Worker, error) {
+	if err := cfg.fill(); err != nil {
+		return nil, err
+	}
+	w := &Worker{
+		cfg:   cfg,
+		m:     newMetrics(cfg.Registerer),
+		sem:   make(chan struct{}, cfg.MaxConcurrentTurns),
+		convs: map[string]*convState{},
+	}
+	w.store = &store{pool: cfg.Pool, lease: cfg.Lease, maxAttempts: cfg.MaxAttempts, backoff: cfg.backoff, worker: cfg.Name}
+	return w, nil
+}
+
+// Run consumes turns until ctx ends. It recovers expired leases at start and every
+// RecoveryInterval. When ctx ends it stops taking work, gives running turns ShutdownGrace to
+// finish (then cancels them and releases their rows), and returns nil.
+func (w *Worker) Run(ctx context.Context) error {
+	w.recoverOnce(ctx)
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return w.every(gctx, w.cfg.RecoveryInterval, w.recoverOnce) })
+	if w.cfg.NATS != nil {
+		g.Go(func() error { return w.consumeJetStream(gctx) })
+		g.Go(func() error { return w.every(gctx, w.cfg.SweepInterval, w.sweep(w.cfg.SweepInterval)) })
+	} else {
+		g.Go(func() error { return w.every(gctx, w.cfg.PollInterval, w.sweep(0)) })
+	}
+	err := g.Wait()
+	w.loops.Wait()
+	if ctx.Err() != nil {
+		return nil
+	}
+	return err
+}
+
+func (w *Worker) every(ctx context.Context, d time.Duration, fn func(context.Context)) error {
+	t := time.NewTicker(d)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+			fn(ctx)
+		}
+	}
+}
+
+// recoverOnce recovers every run whose lease expired.
+func (w *Worker) recoverOnce(ctx context.Context) {
+	runs, err := w.store.expiredRuns(ctx, 1000)
+	if err != nil {
+		if ctx.Err() == nil {
+			w.cfg.Logger.Error("recovery", "error", err)
+		}
+		return
+	}
+	for _, run := range runs {
+		r, err := w.store.recoverRun(ctx, run)
+		if err != nil {
+			w.cfg.Logger.Error("recovery", "run_id", run, "error", err)
+			continue
+		}
+		if len(r.ids) == 0 {
+			continue
+		}
+		result := "pending"
+		if r.failed {
+			result = "failed"
+		}
+		w.m.recoveries.WithLabelValues(result).Inc()
+		w.cfg.Logger.Warn("recovered an expired run", "run_id", run, "conversation_id", r.conversationID,
+			"outbox_ids", r.ids, "result", result, "reason", r.reason)
+		if !r.failed {
+			w.schedule(ctx, r.conversationID, nil)
+		}
+	}
+}
+
+// sweep returns a pass that schedules conversations with claimable rows at least minAge old.
+func (w *Worker) sweep(minAge time.Duration) func(context.Context) {
+	return func(ctx context.Context) {
+		rows, err := w.store.pool.Query(ctx, `SELECT conversation_id FROM agent_outbox
+			WHERE status = 'pending' AND available_at <= now() AND created_at <= now() - $1 * interval '1 millisecond'
+			GROUP BY conversation_id ORDER BY min(id) LIMIT $2`, minAge.Milliseconds(), 4*w.cfg.MaxConcurrentTurns)
+		if err != nil {
+			if ctx.Err() == nil {
+				w.cfg.Logger.Error("look for pending rows", "error", err)
+			}
+			return
+		}
+		var convs []string
+		for rows.Next() {
+			var c string
+			if err := rows.Scan(&c); err == nil {
+				convs = append(convs, c)
+			}
+		}
+		rows.Close()
+		for _, c := range convs {
+			w.schedule(ctx, c, nil)
+		}
+		var age float64
+		if err := w.store.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)
+			FROM agent_outbox WHERE status = 'pending'`).Scan(&age); err == nil {
+			w.m.oldestPending.Set(age)
+		}
+	}
+}
+
+// schedule hands an event (or, with ev nil, a hint that rows may be pending) to the
+// conversation's loop, starting one if none runs.
+func (w *Worker) schedule(ctx context.Context, conversationID string, ev *event) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	st := w.convs[conversationID]
+	if st == nil {
+		st = &convState{}
+		w.convs[conversationID] = st
+	}
+	if ev != nil {
+		st.events = append(st.events, *ev)
+	}
+	if st.active {
+		return
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	st.active = true
+	w.loops.Add(1)
+	go w.conversationLoop(ctx, conversationID)
+}
+
+// conversationLoop claims and runs turns for one conversation until nothing is left for it
+// here. Only one loop per conversation runs in a worker; across workers the claim decides.
+//
+// Delivery rule: a held event is acked only once its row is terminal (done or error) or gone;
+// until then it is kept, or nacked with a delay so JetStream redelivers it later.
+func (w *Worker) conversationLoop(ctx context.Context, conv string) {
+	defer w.loops.Done()
+	log := w.cfg.Logger.With("conversation_id", conv)
+	if !sleep(ctx, w.cfg.Debounce) {
+		w.drop(conv)
+		return
+	}
+	for {
+		if ctx.Err() != nil {
+			w.drop(conv)
+			return
+		}
+		select {
+		case w.sem <- struct{}{}:
+		case <-ctx.Done():
+			w.drop(conv)
+			return
+		}
+		runID := newRunID()
+		c, err := w.store.claim(ctx, conv, runID)
+		if err == nil && len(c.ids) > 0 {
+			w.runTurn(ctx, conv, runID, c)
+		}
+		<-w.sem
+		if err != nil {
+			if ctx.Err() == nil {
+				log.Error("claim", "error", err)
+			}
+			w.settle(ctx, conv, time.Second)
+			w.drop(conv)
+			return
+		}
+		if !c.locked || c.busy {
+			w.m.claimConflicts.Inc()
+		}
+		if !w.resolve(ctx, conv, c) {
+			return
+		}
+	}
+}
+
+// resolve settles the held events after a claim (and its turn, if any). It returns false
+// when the loop should end, having marked the conversation idle.
+func (w *Worker) resolve(ctx context.Context, conv string, c claim) bool {
+	w.mu.Lock()
+	held := w.convs[conv].events
+	w.convs[conv].events = nil
+	w.mu.Unlock()
+
+	var keep []event
+	if len(held) > 0 {
+		ids := make([]int64, len(held))
+		for i, ev := range held {
+			ids[i] = ev.outboxID
+		}
+		states, err := w.store.states(ctx, ids)
+		if err != nil {
+			if ctx.Err() == nil {
+				w.cfg.Logger.Error("read outbox states", "conversation_id", conv, "error", err)
+			}
+			for _, ev := range held {
+				w.nak(ev, time.Second)
+			}
+			held = nil
+		}
+		now := time.Now()
+		for _, ev := range held {
+			st := states[ev.outboxID]
+			switch {
+			case st.status == "" || st.status == "done" || st.status == "error":
+				w.ack(ev)
+			case st.status == "processing" || !c.locked || c.busy:
+				// Another run holds the conversation: it will take these rows; look again later.
+				w.nak(ev, max(time.Second, w.cfg.Debounce))
+			case st.available.After(now):
+				w.nak(ev, st.available.Sub(now))
+			case len(c.ids) == 0:
+				// Claimable yet not claimed (clocks of worker and database disagree on
+				// available_at): look again shortly instead of spinning.
+				w.nak(ev, 100*time.Millisecond)
+			default:
+				keep = append(keep, ev)
+			}
+		}
+	}
+
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	st := w.convs[conv]
+	st.events = append(keep, st.events...)
+	// Go on while events wait, or after a turn: rows may have arrived meanwhile.
+	if len(st.events) > 0 || (len(c.ids) > 0 && ctx.Err() == nil) {
+		return true
+	}
+	st.active = false
+	delete(w.convs, conv)
+	return false
+}
+
+// drop releases every held event of an ending loop for redelivery and marks it idle.
+func (w *Worker) drop(conv string) {
+	w.mu.Lock()
+	st := w.convs[conv]
+	held := st.events
+	st.events = nil
+	st.active = false
+	delete(w.convs, conv)
+	w.mu.Unlock()
+	for _, ev := range held {
+		w.nak(ev, 0)
+	}
+}
+
+// settle nacks every held event with a delay.
+func (w *Worker) settle(_ context.Context, conv string, delay time.Duration) {
+	w.mu.Lock()
+	held := w.convs[conv].events
+	w.convs[conv].events = nil
+	w.mu.Unlock()
+	for _, ev := range held {
+		w.nak(ev, delay)
+	}
+}
+
+func (w *Worker) ack(ev event) {
+	if ev.msg == nil {
+		return
+	}
+	if err := ev.msg.Ack(); err != nil {
+		w.cfg.Logger.Warn("ack", "outbox_id", ev.outboxID, "error", err)
+		return
+	}
+	w.m.events.WithLabelValues("acked").Inc()
+}
+
+func (w *Worker) nak(ev event, delay time.Duration) {
+	if ev.msg == nil {
+		return
+	}
+	var err error
+	if delay > 0 {
+		err = ev.msg.NakWithDelay(delay)
+	} else {
+		err = ev.msg.Nak()
+	}
+	if err != nil {
+		w.cfg.Logger.Warn("nak", "outbox_id", ev.outboxID, "error", err)
+		return
+	}
+	w.m.events.WithLabelValues("nacked").Inc()
+}
+
+// runTurn runs the handler for a claim and commits its end: a reply, a retry, or a visible
+// failure.
+func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) {
+	log := w.cfg.Logger.With("conversation_id", conv, "run_id", runID)
+	started := time.Now()
+	w.m.running.Inc()
+	defer w.m.running.Dec()
+	w.m.attempts.Observe(float64(c.attempts))
+
+	// The turn outlives a stopping worker by ShutdownGrace, and ends at once if the lease is lost.
+	turnCtx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+	defer cancel(nil)
+	keeper := make(chan struct{})
+	go func() {
+		defer close(keeper)
+		w.keepLease(ctx, turnCtx, cancel, conv, runID)
+	}()
+
+	reply, herr := w.handle(turnCtx, conv, runID, c)
+	cancel(nil)
+	<-keeper
+	if cause := context.Cause(turnCtx); errors.Is(cause, errLeaseLost) {
+		w.m.turns.WithLabelValues("lease_lost").Inc()
+		log.Warn("lease lost during the turn; its result is discarded")
+		return
+	}
+
+	// Commits run to completion even when the worker is stopping.
+	dbCtx, dbCancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer dbCancel()
+	var result string
+	var err error
+	if herr == nil {
+		result = "done"
+		_, err = w.store.finish(dbCtx, conv, runID, c.ids, outcome{role: "assistant", content: reply.Content})
+	} else {
+		result, err = w.fail(dbCtx, conv, runID, c, herr)
+		log.Warn("turn failed", "error", herr, "attempt", c.attempts, "result", result)
+	}
+	switch {
+	case errors.Is(err, errConversationGone):
+		result = "cancelled"
+		log.Info("conversation deleted during the turn; result discarded")
+	case errors.Is(err, errLeaseLost):
+		result = "lease_lost"
+		log.Warn("lease lost before the commit; result discarded")
+	case err != nil:
+		result = "commit_failed"
+		log.Error("commit turn", "error", err) // rows stay processing; recovery takes them after the lease
+	}
+	w.m.turns.WithLabelValues(result).Inc()
+	w.m.turnSeconds.Observe(time.Since(started).Seconds())
+}
+
+// handle loads the claimed messages and calls the handler.
+func (w *Worker) handle(ctx context.Context, conv, runID string, c claim) (Reply, error) {
+	msgs, err := w.store.claimedMessages(ctx, c.ids)
+	if err != nil {
+		return Reply{}, err
+	}
+	t := &Turn{ConversationID: conv, RunID: runID, OutboxIDs: c.ids, Messages: msgs, Attempt: c.attempts, w: w}
+	reply, err := w.callHandler(ctx, t)
+	if err != nil {
+		return Reply{}, err
+	}
+	if !utf8.ValidString(reply.Content) || strings.ContainsRune(reply.Content, 0) {
+		return Reply{}, errors.New("handler returned a reply that is not valid UTF-8 text")
+	}
+	return reply, nil
+}
+
+// callHandler turns a handler panic into an error, so one bad turn cannot kill the worker.
+func (w *Worker) callHandler(ctx context.Context, t *Turn) (reply Reply, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("handler panicked: %v", p)
+		}
+	}()
+	return w.cfg.Handler(ctx, t)
+}
+
+// fail ends a failed attempt: a visible failure when a write tool ran or may have run, or when
+// the attempts are used up; otherwise the rows go back to pending after a backoff.
+func (w *Worker) fail(ctx context.Context, conv, runID string, c claim, herr error) (string, error) {
+	write, err := w.store.sideEffects(ctx, w.store.pool, runID)
+	if err != nil {
+		return "", err
+	}
+	reason := herr.Error()
+	switch {
+	case write:
+		reason = "failed after a side-effecting tool call, not retried automatically: " + reason
+	case c.attempts >= w.cfg.MaxAttempts:
+		reason = fmt.Sprintf("failed after %d attempts: %s", c.attempts, reason)
+	default:
+		return "retry", w.store.release(ctx, runID, c.ids, c.attempts, reason)
+	}
+	if _, err := w.store.pool.Exec(ctx, `UPDATE operations SET status = 'error', error = 'interrupted: the turn failed',
+		finished_at = now() WHERE run_id = $1 AND status = 'running'`, runID); err != nil {
+		return "", fmt.Errorf("close operations of run %s: %w", runID, err)
+	}
+	_, err = w.store.finish(ctx, conv, runID, c.ids, outcome{role: "error",
+		content: "Sorry, this request failed: " + reason, reason: reason})
+	return "error", err
+}
+
+// keepLease renews the run's lease every Lease/3 and marks held events in progress, until
+// turnCtx ends. It cancels the turn when the lease is lost, and ShutdownGrace after ctx ends.
+func (w *Worker) keepLease(ctx, turnCtx context.Context, cancel context.CancelCauseFunc, conv, runID string) {
+	t := time.NewTicker(w.cfg.Lease / 3)
+	defer t.Stop()
+	inProgress := time.NewTicker(w.cfg.AckWait / 3)
+	defer inProgress.Stop()
+	var grace <-chan time.Time
+	stopping := ctx.Done()
+	for {
+		select {
+		case <-turnCtx.Done():
+			return
+		case <-stopping:
+			stopping = nil
+			grace = time.After(w.cfg.ShutdownGrace)
+		case <-grace:
+			cancel(errors.New("worker stopping"))
+			return
+		case <-inProgress.C:
+			w.mu.Lock()
+			held := append([]event(nil), w.convs[conv].events...)
+			w.mu.Unlock()
+			for _, ev := range held {
+				if ev.msg != nil {
+					_ = ev.msg.InProgress()
+				}
+			}
+		case <-t.C:
+			ok, err := w.store.renew(turnCtx, runID)
+			if err != nil {
+				w.cfg.Logger.Warn("renew lease", "run_id", runID, "error", err)
+				continue
+			}
+			if !ok {
+				cancel(errLeaseLost)
+				return
+			}
+		}
+	}
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// newRunID returns a random (version 4) UUID.
+func newRunID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+}
