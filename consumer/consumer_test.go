@@ -89,12 +89,15 @@ func setup(t *testing.T, src source) *bundle {
 	return b
 }
 
-// worker starts a worker with cfg (Pool, NATS and Logger filled in) until the test ends.
-func (b *bundle) worker(cfg consumer.Config) {
+// worker starts a worker with cfg (Pool, NATS and Logger filled in) until the test ends or
+// the returned stop is called.
+func (b *bundle) worker(cfg consumer.Config) (stop func()) {
 	t := b.t
 	t.Helper()
 	cfg.Pool = b.db.Pool
-	cfg.NATS = b.nc
+	if cfg.NATS == nil {
+		cfg.NATS = b.nc
+	}
 	if cfg.Handler == nil {
 		cfg.Handler = echo
 	}
@@ -109,15 +112,20 @@ func (b *bundle) worker(cfg consumer.Config) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- w.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			require.NoError(t, err)
-		case <-time.After(time.Minute):
-			t.Error("worker did not stop within a minute")
-		}
-	})
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				require.NoError(t, err)
+			case <-time.After(time.Minute):
+				t.Error("worker did not stop within a minute")
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return stop
 }
 
 func (b *bundle) conversation(id string) {
