@@ -31,6 +31,7 @@ type command struct {
 }
 
 var commands = map[string]command{
+	"demo":    {summary: demoSummary, run: runDemo},
 	"migrate": {summary: migrateSummary, run: runMigrate},
 	"relay":   {summary: relaySummary, run: runRelay},
 	"version": {summary: versionSummary, run: runVersion},

@@ -1,0 +1,313 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/testsvc"
+)
+
+// demoProcessEnv makes TestDemoProcess run `baton` with the arguments after "--".
+const demoProcessEnv = "BATON_DEMO_TEST_PROCESS"
+
+// TestDemoProcess is not a test of its own: it is the process the demo tests start. They
+// re-execute this test binary with demoProcessEnv set and the baton arguments after "--",
+// so the demo runs as a real process (signals, exit code, child servers) built from this
+// package, race detector included.
+func TestDemoProcess(t *testing.T) {
+	if os.Getenv(demoProcessEnv) != "1" {
+		return
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, flag.Args(), os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// demoProcess is a running `baton demo`.
+type demoProcess struct {
+	cmd      *exec.Cmd
+	tmp      string        // its TMPDIR: every temp dir it creates is in here
+	progress chan struct{} // closed at the first progress line
+	exited   chan struct{} // closed when it exited and its stdout was read
+
+	mu     sync.Mutex
+	stdout strings.Builder
+	stderr bytes.Buffer // written by exec's copier; read after exited
+}
+
+// startDemo runs `baton demo args...` with no BATON_DATABASE_URL or BATON_NATS_URL, so it
+// starts its own PostgreSQL and NATS, and with TMPDIR set to a directory of the test's.
+func startDemo(t *testing.T, args ...string) *demoProcess {
+	t.Helper()
+	// Not t.TempDir: when running as root the cluster runs as user postgres, which must be able
+	// to enter the directory holding its data directory.
+	tmp, err := os.MkdirTemp("", "baton-demo-test-")
+	require.NoError(t, err)
+	require.NoError(t, os.Chmod(tmp, 0o755))
+	t.Cleanup(func() { _ = os.RemoveAll(tmp) })
+
+	cmd := exec.Command(os.Args[0], append([]string{"-test.run=^TestDemoProcess$", "--", "demo"}, args...)...)
+	for _, kv := range os.Environ() {
+		if strings.HasPrefix(kv, "BATON_") || strings.HasPrefix(kv, "TMPDIR=") {
+			continue
+		}
+		cmd.Env = append(cmd.Env, kv)
+	}
+	cmd.Env = append(cmd.Env, demoProcessEnv+"=1", "TMPDIR="+tmp)
+	p := &demoProcess{cmd: cmd, tmp: tmp, progress: make(chan struct{}), exited: make(chan struct{})}
+	cmd.Stderr = &p.stderr
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	go func() {
+		defer close(p.exited)
+		var once sync.Once
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			p.mu.Lock()
+			p.stdout.WriteString(sc.Text() + "\n")
+			p.mu.Unlock()
+			if strings.HasPrefix(sc.Text(), "progress:") {
+				once.Do(func() { close(p.progress) })
+			}
+		}
+		_ = cmd.Wait()
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-p.exited:
+		default:
+			_ = cmd.Process.Kill()
+			<-p.exited
+		}
+	})
+	return p
+}
+
+func (p *demoProcess) output() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.stdout.String()
+}
+
+// wait waits up to timeout for the process to exit and returns its exit code.
+func (p *demoProcess) wait(t *testing.T, timeout time.Duration) int {
+	t.Helper()
+	select {
+	case <-p.exited:
+	case <-time.After(timeout):
+		_ = p.cmd.Process.Kill()
+		<-p.exited
+		t.Fatalf("baton demo did not exit within %s\nstdout:\n%s\nstderr:\n%s", timeout, p.output(), p.stderr.String())
+	}
+	return p.cmd.ProcessState.ExitCode()
+}
+
+// requireCleanedUp checks that the demo left no temp dir and no process behind: its TMPDIR is
+// empty and no process runs from, or names, a path inside it (a PostgreSQL server's command
+// line names its data directory; its backends' working directory is that directory).
+func (p *demoProcess) requireCleanedUp(t *testing.T) {
+	t.Helper()
+	out := p.output()
+	m := regexp.MustCompile(`data in (\S+) `).FindStringSubmatch(out)
+	require.NotNil(t, m, "the demo names its PostgreSQL data dir:\n%s", out)
+	require.True(t, strings.HasPrefix(m[1], p.tmp+string(filepath.Separator)+"baton-pg-"), m[1])
+
+	entries, err := os.ReadDir(p.tmp)
+	require.NoError(t, err)
+	var left []string
+	for _, e := range entries {
+		left = append(left, e.Name())
+	}
+	require.Empty(t, left, "temp dirs left behind in %s", p.tmp)
+	require.Empty(t, processesUsing(t, p.tmp), "processes left behind")
+}
+
+// processesUsing lists the processes whose command line or working directory holds dir.
+func processesUsing(t *testing.T, dir string) []string {
+	t.Helper()
+	pids, err := filepath.Glob("/proc/[0-9]*")
+	require.NoError(t, err)
+	var found []string
+	for _, proc := range pids {
+		cmdline, _ := os.ReadFile(filepath.Join(proc, "cmdline"))
+		cwd, _ := os.Readlink(filepath.Join(proc, "cwd"))
+		line := string(bytes.ReplaceAll(cmdline, []byte{0}, []byte{' '}))
+		if strings.Contains(line, dir) || strings.HasPrefix(cwd, dir) {
+			found = append(found, fmt.Sprintf("%s: %s (cwd %s)", filepath.Base(proc), line, cwd))
+		}
+	}
+	return found
+}
+
+func TestDemoRunsAndCleansUp(t *testing.T) {
+	t.Parallel()
+	p := startDemo(t, "--messages", "300", "--conversations", "20", "--rate", "0")
+	code := p.wait(t, 3*time.Minute)
+	out := p.output()
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", out, p.stderr.String())
+	for _, want := range []string{
+		"sent: 300 messages to 20 conversations",
+		"retries accepted as duplicates: 15 of 15",
+		"outbox rows: 300 for 300 accepted messages",
+		"relayed: 300 distinct outbox ids in stream AGENT_TURNS\n",
+		"duplicates in stream: 0\n",
+		"lost: 0\n",
+		"commit→stored latency: p50 ",
+		"workers and replies: not in this demo yet",
+		"result: OK",
+	} {
+		require.Contains(t, out, want)
+	}
+	require.NotContains(t, out, "interrupted")
+	p.requireCleanedUp(t)
+}
+
+func TestDemoStopsCleanlyOnInterrupt(t *testing.T) {
+	t.Parallel()
+	p := startDemo(t, "--messages", "100000", "--rate", "200")
+	select {
+	case <-p.progress:
+	case <-p.exited:
+		t.Fatalf("baton demo exited before its first progress line\nstdout:\n%s\nstderr:\n%s", p.output(), p.stderr.String())
+	case <-time.After(3 * time.Minute):
+		t.Fatalf("no progress line within 3m\nstdout:\n%s", p.output())
+	}
+	require.NoError(t, p.cmd.Process.Signal(os.Interrupt))
+	start := time.Now()
+	code := p.wait(t, time.Minute)
+	out := p.output()
+	require.Equal(t, 0, code, "a user's Ctrl-C is a clean stop\nstdout:\n%s\nstderr:\n%s", out, p.stderr.String())
+	t.Logf("exited %s after SIGINT", time.Since(start).Round(time.Millisecond))
+	for _, want := range []string{
+		"interrupted: stopped sending after ",
+		"duplicates in stream: 0\n",
+		"lost: 0\n", // the relay keeps up at 200 msg/s, and gets a grace period to finish
+		"result: OK so far (interrupted)",
+	} {
+		require.Contains(t, out, want)
+	}
+	require.NotContains(t, out, "sent: 100000 messages")
+	p.requireCleanedUp(t)
+}
+
+// TestDemoWithGivenServers runs the demo in this process against servers it did not start,
+// twice: the second run finds the slot and a stream holding the first run's events, and counts
+// only its own.
+func TestDemoWithGivenServers(t *testing.T) {
+	t.Parallel()
+	db := testsvc.NewDatabase(t)
+	ns := testsvc.StartNATS(t)
+	for range 2 {
+		r := runBaton(t, "demo", "--database-url", db.URL, "--nats-url", ns.URL(), "--slot", db.Name,
+			"--messages", "200", "--conversations", "5", "--rate", "0")
+		require.Equal(t, 0, r.code, "stdout:\n%s\nstderr:\n%s", r.stdout, r.stderr)
+		require.Contains(t, r.stdout, "using the PostgreSQL at")
+		require.Contains(t, r.stdout, "using the NATS server at")
+		require.Contains(t, r.stdout, "relayed: 200 distinct outbox ids")
+		require.Contains(t, r.stdout, "outbox rows: 200 for 200 accepted messages")
+		require.Contains(t, r.stdout, "lost: 0\n")
+	}
+	var rows int
+	require.NoError(t, db.Pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM agent_outbox WHERE message_id LIKE 'demo-%'`).Scan(&rows))
+	require.Equal(t, 400, rows)
+}
+
+func TestDemoUsageErrors(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		args   []string
+		stderr string
+	}{
+		{[]string{"demo", "--messages", "0"}, "--messages must be at least 1"},
+		{[]string{"demo", "--conversations", "0"}, "--conversations must be at least 1"},
+		{[]string{"demo", "--rate", "-1"}, "--rate must not be negative"},
+		{[]string{"demo", "--tail-timeout", "0s"}, "--tail-timeout must be positive"},
+		{[]string{"demo", "extra"}, `unexpected argument "extra"`},
+	} {
+		r := runBaton(t, tt.args...)
+		require.Equal(t, 2, r.code, r.stderr)
+		require.Contains(t, r.stderr, tt.stderr)
+		require.Empty(t, r.stdout)
+	}
+
+	r := runBaton(t, "help", "demo")
+	require.Equal(t, 0, r.code)
+	for _, flag := range []string{"-messages", "-conversations", "-rate", "-tail-timeout", "-database-url", "-log-level"} {
+		require.Contains(t, r.stdout, flag)
+	}
+	require.Contains(t, r.stdout, "WRITES TO THAT DATABASE")
+}
+
+func TestDemoNoPostgresError(t *testing.T) {
+	t.Parallel()
+	msg := noPostgresError(testsvc.ErrNoPostgres).Error()
+	require.Contains(t, msg, "apt-get install -y postgresql")
+	require.Contains(t, msg, "BATON_DATABASE_URL")
+	require.NotContains(t, msg, "BATON_TEST_DATABASE_URL", "the demo does not read the tests' variable")
+
+	other := errors.New("initdb: exit status 1")
+	require.ErrorIs(t, noPostgresError(other), other)
+}
+
+func TestDemoVerdict(t *testing.T) {
+	t.Parallel()
+	ok := demoResult{outboxRows: 10, snap: demoSnapshot{sent: 10, relayed: 10, received: 10, retries: 1}}
+	require.NoError(t, ok.verdict())
+
+	lost := ok
+	lost.snap.received, lost.snap.relayed, lost.tailTimeout = 8, 8, true
+	require.EqualError(t, lost.verdict(), "FAILED: 2 of 10 accepted messages did not reach the stream within --tail-timeout")
+	lost.interrupted = true
+	require.NoError(t, lost.verdict(), "an interrupted demo has not lost what it did not wait for")
+
+	doubled := ok
+	doubled.interrupted = true
+	doubled.snap.streamDups, doubled.snap.retryBad, doubled.outboxRows = 1, 1, 11
+	require.EqualError(t, doubled.verdict(), "FAILED: 1 duplicate events in the stream; "+
+		"1 retries were not recognised as duplicates; 11 outbox rows for 10 accepted messages")
+
+	uncounted := ok
+	uncounted.outboxRows = -1
+	require.NoError(t, uncounted.verdict())
+}
+
+func TestPercentile(t *testing.T) {
+	t.Parallel()
+	ds := make([]time.Duration, 100)
+	for i := range ds {
+		ds[i] = time.Duration(i+1) * time.Millisecond
+	}
+	require.Equal(t, 50*time.Millisecond, percentile(ds, 50))
+	require.Equal(t, 99*time.Millisecond, percentile(ds, 99))
+	require.Equal(t, 100*time.Millisecond, percentile(ds, 100))
+	require.Equal(t, 7*time.Millisecond, percentile([]time.Duration{7 * time.Millisecond}, 99))
+	require.Equal(t, time.Millisecond, percentile(ds[:2], 50))
+}
+
+func TestIsTerminal(t *testing.T) {
+	t.Parallel()
+	require.False(t, isTerminal(&bytes.Buffer{}))
+	f, err := os.CreateTemp(t.TempDir(), "out")
+	require.NoError(t, err)
+	defer func() { _ = f.Close() }()
+	require.False(t, isTerminal(f))
+}
