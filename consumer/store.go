@@ -31,6 +31,7 @@ type claim struct {
 	busy     bool // a run of another worker holds the conversation
 	ids      []int64
 	attempts int
+	messages []Message // the claimed user messages, in id order
 }
 
 // lockConversationSQL takes the conversation's claim lock; SKIP LOCKED makes a concurrent
@@ -55,30 +56,44 @@ WITH conv AS (
           AND p.status = 'pending' AND p.available_at <= now()
         ORDER BY p.id
         FOR UPDATE OF p)
-    RETURNING o.id, o.attempts
+    RETURNING o.id, o.attempts, o.message_id
 ), run AS (
     INSERT INTO agent_runs (run_id, conversation_id, outbox_ids, worker)
     SELECT $2, $1, array_agg(id ORDER BY id), $4 FROM claimed HAVING count(*) > 0
 )
 SELECT (SELECT count(*) FROM conv) > 0, (SELECT b FROM busy),
-       coalesce(array_agg(id ORDER BY id), '{}'), coalesce(max(attempts), 0)
-FROM claimed`
+       coalesce(array_agg(c.id ORDER BY c.id), '{}'), coalesce(max(c.attempts), 0),
+       json_agg(json_build_object('ID', m.id, 'Role', m.role, 'Content', m.content, 'CreatedAt', m.created_at)
+                ORDER BY c.id)
+FROM claimed c JOIN messages m ON m.id = c.message_id`
 
 // claim takes every available pending row of the conversation for run, in id order, unless
 // another run holds the conversation. The returned ids define the turn.
+//
+// Both statements go in one pipelined batch, which Postgres runs as one implicit transaction:
+// the lock is held until the claim commits, and the claim statement still gets a snapshot of
+// its own, taken after the lock.
 func (s *store) claim(ctx context.Context, conversationID, runID string) (claim, error) {
 	var c claim
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		var id string
-		switch err := tx.QueryRow(ctx, lockConversationSQL, conversationID).Scan(&id); {
-		case errors.Is(err, pgx.ErrNoRows):
-			return nil // held by a concurrent claimer, or deleted
-		case err != nil:
-			return err
+	batch := &pgx.Batch{}
+	batch.Queue(lockConversationSQL, conversationID)
+	batch.Queue(claimSQL, conversationID, runID, s.lease.Milliseconds(), s.worker)
+	br := s.pool.SendBatch(ctx, batch)
+	var id string
+	err := br.QueryRow().Scan(&id)
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = nil // held by a concurrent claimer, or deleted: the claim below takes nothing
+	}
+	if err == nil {
+		var raw []byte
+		err = br.QueryRow().Scan(&c.locked, &c.busy, &c.ids, &c.attempts, &raw)
+		if err == nil && len(raw) > 0 {
+			err = json.Unmarshal(raw, &c.messages)
 		}
-		return tx.QueryRow(ctx, claimSQL, conversationID, runID, s.lease.Milliseconds(), s.worker).
-			Scan(&c.locked, &c.busy, &c.ids, &c.attempts)
-	})
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
 	if err != nil {
 		return claim{}, fmt.Errorf("claim conversation %q: %w", conversationID, err)
 	}
@@ -102,20 +117,6 @@ type Message struct {
 	Role      string
 	Content   string
 	CreatedAt time.Time
-}
-
-func (s *store) claimedMessages(ctx context.Context, ids []int64) ([]Message, error) {
-	rows, err := s.pool.Query(ctx, `SELECT m.id, m.role, m.content, m.created_at
-		FROM agent_outbox o JOIN messages m ON m.id = o.message_id
-		WHERE o.id = ANY($1) ORDER BY o.id`, ids)
-	if err != nil {
-		return nil, fmt.Errorf("load claimed messages: %w", err)
-	}
-	msgs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[Message])
-	if err != nil {
-		return nil, fmt.Errorf("load claimed messages: %w", err)
-	}
-	return msgs, nil
 }
 
 // errLeaseLost is returned when a run's rows are no longer its own at commit.
@@ -147,39 +148,33 @@ func (s *store) finish(ctx context.Context, conversationID, runID string, ids []
 		MessageID string  `json:"message_id"`
 		OutboxIDs []int64 `json:"outbox_ids"`
 	}{replyID, ids})
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		// The answered rows first, for the relay's outcome event; then the message, whose
-		// foreign key fails when the conversation was deleted meanwhile.
-		if _, err := tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2)`, relay.AnswersPrefix, string(answers)); err != nil {
-			return err
-		}
-		if _, err := tx.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ($1, $2, $3, $4)`,
-			replyID, conversationID, o.role, o.content); err != nil {
-			return err
-		}
-		tag, err := tx.Exec(ctx, `UPDATE agent_outbox
+	// One pipelined batch, one implicit transaction, one round trip. The answered rows come
+	// first, for the relay's outcome event; then the message, whose foreign key fails when the
+	// conversation was deleted meanwhile; then the fenced update of the claimed rows, which
+	// raises BT001 unless every one is still this run's.
+	batch := &pgx.Batch{}
+	batch.Queue(`SELECT pg_logical_emit_message(true, $1, $2)`, relay.AnswersPrefix, string(answers))
+	batch.Queue(`INSERT INTO messages (id, conversation_id, role, content) VALUES ($1, $2, $3, $4)`,
+		replyID, conversationID, o.role, o.content)
+	batch.Queue(`WITH done AS (
+			UPDATE agent_outbox
 			SET status = $3, processed_at = now(), reply_id = $5, last_error = $4, lease_expires_at = NULL
-			WHERE id = ANY($1) AND run_id = $2 AND status = 'processing'`, ids, runID, status, nullIfEmpty(o.reason), replyID)
-		if err != nil {
-			return err
-		}
-		if tag.RowsAffected() != int64(len(ids)) {
-			return errLeaseLost // fencing: another run or recovery owns these rows now
-		}
-		if _, err := tx.Exec(ctx, `UPDATE operations SET message_id = $2 WHERE run_id = $1 AND message_id IS NULL`, runID, replyID); err != nil {
-			return err
-		}
-		if _, err := tx.Exec(ctx, `UPDATE conversations SET last_message_at = now(), unread_count = unread_count + 1 WHERE id = $1`,
-			conversationID); err != nil {
-			return err
-		}
-		_, err = tx.Exec(ctx, `UPDATE agent_runs SET finished_at = clock_timestamp(), outcome = $2, error = $3 WHERE run_id = $1`,
-			runID, status, nullIfEmpty(o.reason))
-		return err
-	})
+			WHERE id = ANY($1) AND run_id = $2 AND status = 'processing'
+			RETURNING 1)
+		SELECT baton_fence(count(*) = cardinality($1::bigint[]), 'run ' || $2 || ' no longer owns its rows') FROM done`,
+		ids, runID, status, nullIfEmpty(o.reason), replyID)
+	batch.Queue(`UPDATE operations SET message_id = $2 WHERE run_id = $1 AND message_id IS NULL`, runID, replyID)
+	batch.Queue(`UPDATE conversations SET last_message_at = now(), unread_count = unread_count + 1 WHERE id = $1`,
+		conversationID)
+	batch.Queue(`UPDATE agent_runs SET finished_at = clock_timestamp(), outcome = $2, error = $3 WHERE run_id = $1`,
+		runID, status, nullIfEmpty(o.reason))
+	err := s.pool.SendBatch(ctx, batch).Close()
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "23503" { // foreign_key_violation
 		return "", errConversationGone
+	}
+	if errors.As(err, &pgErr) && pgErr.Code == "BT001" { // baton_fence
+		return "", errLeaseLost
 	}
 	if err != nil {
 		return "", fmt.Errorf("finish run %s: %w", runID, err)

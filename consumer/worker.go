@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -199,8 +200,9 @@ func (w *Worker) conversationLoop(ctx context.Context, conv string) {
 		}
 		runID := newRunID()
 		c, err := w.store.claim(ctx, conv, runID)
+		var settled bool
 		if err == nil && len(c.ids) > 0 {
-			w.runTurn(ctx, conv, runID, c)
+			settled = w.runTurn(ctx, conv, runID, c)
 		}
 		<-w.sem
 		if err != nil {
@@ -214,20 +216,33 @@ func (w *Worker) conversationLoop(ctx context.Context, conv string) {
 		if !c.locked || c.busy {
 			w.m.claimConflicts.Inc()
 		}
-		if !w.resolve(ctx, conv, c) {
+		if !w.resolve(ctx, conv, c, settled) {
 			return
 		}
 	}
 }
 
-// resolve settles the held events after a claim (and its turn, if any). It returns false
-// when the loop should end, having marked the conversation idle.
-func (w *Worker) resolve(ctx context.Context, conv string, c claim) bool {
+// resolve settles the held events after a claim (and its turn, if any; settled says the turn
+// left its rows terminal). It returns false when the loop should end, having marked the
+// conversation idle.
+func (w *Worker) resolve(ctx context.Context, conv string, c claim, settled bool) bool {
 	w.mu.Lock()
 	held := w.convs[conv].events
 	w.convs[conv].events = nil
 	w.mu.Unlock()
 
+	if settled {
+		// The rows of the turn just committed are terminal: ack their events without a query.
+		rest := held[:0]
+		for _, ev := range held {
+			if slices.Contains(c.ids, ev.outboxID) {
+				w.ack(ev)
+			} else {
+				rest = append(rest, ev)
+			}
+		}
+		held = rest
+	}
 	var keep []event
 	if len(held) > 0 {
 		ids := make([]int64, len(held))
@@ -269,8 +284,9 @@ func (w *Worker) resolve(ctx context.Context, conv string, c claim) bool {
 	defer w.mu.Unlock()
 	st := w.convs[conv]
 	st.events = append(keep, st.events...)
-	// Go on while events wait, or after a turn: rows may have arrived meanwhile.
-	if len(st.events) > 0 || (len(c.ids) > 0 && ctx.Err() == nil) {
+	// Go on while events wait. The polling source also looks again after a turn: rows may
+	// have arrived meanwhile, and no event will say so.
+	if len(st.events) > 0 || (w.cfg.NATS == nil && len(c.ids) > 0 && ctx.Err() == nil) {
 		return true
 	}
 	st.active = false
@@ -332,8 +348,8 @@ func (w *Worker) nak(ev event, delay time.Duration) {
 }
 
 // runTurn runs the handler for a claim and commits its end: a reply, a retry, or a visible
-// failure.
-func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) {
+// failure. It reports whether the claimed rows are now terminal or gone.
+func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) bool {
 	log := w.cfg.Logger.With("conversation_id", conv, "run_id", runID)
 	started := time.Now()
 	w.m.running.Inc()
@@ -355,7 +371,7 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) {
 	if cause := context.Cause(turnCtx); errors.Is(cause, errLeaseLost) {
 		w.m.turns.WithLabelValues("lease_lost").Inc()
 		log.Warn("lease lost during the turn; its result is discarded")
-		return
+		return false
 	}
 
 	// Commits run to completion even when the worker is stopping.
@@ -383,15 +399,12 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) {
 	}
 	w.m.turns.WithLabelValues(result).Inc()
 	w.m.turnSeconds.Observe(time.Since(started).Seconds())
+	return result == "done" || result == "error" || result == "cancelled"
 }
 
-// handle loads the claimed messages and calls the handler.
+// handle calls the handler with the claimed turn.
 func (w *Worker) handle(ctx context.Context, conv, runID string, c claim) (Reply, error) {
-	msgs, err := w.store.claimedMessages(ctx, c.ids)
-	if err != nil {
-		return Reply{}, err
-	}
-	t := &Turn{ConversationID: conv, RunID: runID, OutboxIDs: c.ids, Messages: msgs, Attempt: c.attempts, w: w}
+	t := &Turn{ConversationID: conv, RunID: runID, OutboxIDs: c.ids, Messages: c.messages, Attempt: c.attempts, w: w}
 	reply, err := w.callHandler(ctx, t)
 	if err != nil {
 		return Reply{}, err

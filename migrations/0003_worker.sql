@@ -18,3 +18,16 @@ CREATE TABLE agent_runs (
 
 CREATE INDEX agent_runs_conversation ON agent_runs (conversation_id, started_at);
 CREATE INDEX agent_runs_open ON agent_runs (started_at) WHERE finished_at IS NULL;
+
+-- baton_fence raises SQLSTATE BT001 unless ok: a worker's final commit asserts with it that
+-- every claimed row is still its run's, so a run whose lease was taken over commits nothing,
+-- even when the whole commit is sent as one pipelined batch.
+CREATE FUNCTION baton_fence(ok boolean, what text) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT ok THEN
+        RAISE EXCEPTION 'fenced: %', what USING ERRCODE = 'BT001';
+    END IF;
+    RETURN true;
+END
+$$;

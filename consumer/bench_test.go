@@ -1,0 +1,134 @@
+package consumer_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/consumer"
+	"github.com/batonhq/baton/producer"
+)
+
+// runTurns sends n messages, each to a conversation of its own (so every message is one
+// turn), from 8 concurrent producers, and returns how long it took until all were done.
+func runTurns(t *testing.T, b *bundle, n int) time.Duration {
+	t.Helper()
+	ctx := context.Background()
+	convs := make([]string, n)
+	for i := range convs {
+		convs[i] = fmt.Sprintf("b%06d", i)
+	}
+	_, err := b.db.Pool.Exec(ctx, `INSERT INTO conversations (id) SELECT unnest($1::text[])`, convs)
+	require.NoError(t, err)
+	start := time.Now()
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Go(func() {
+			for i := w; i < n; i += 8 {
+				_, err := b.prod.Send(ctx, b.db.Pool, producer.Message{ConversationID: convs[i], ID: convs[i], Content: "hi"})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	b.waitTerminal(5 * time.Minute)
+	return time.Since(start)
+}
+
+// latencies sends rate messages per second for d over 50 conversations and returns the
+// producer-commit → reply-commit latencies (reply commit = the run's finished_at, stamped in
+// the final transaction).
+func latencies(t *testing.T, b *bundle, rate int, d time.Duration) []time.Duration {
+	t.Helper()
+	ctx := context.Background()
+	convs := make([]string, 50)
+	for i := range convs {
+		convs[i] = fmt.Sprintf("l%02d", i)
+		b.conversation(convs[i])
+	}
+	type sent struct {
+		id int64
+		at time.Time
+	}
+	var out []sent
+	tick := time.NewTicker(time.Second / time.Duration(rate))
+	defer tick.Stop()
+	for i, end := 0, time.Now().Add(d); time.Now().Before(end); i++ {
+		<-tick.C
+		res, err := b.prod.Send(ctx, b.db.Pool, producer.Message{ConversationID: convs[i%len(convs)], ID: fmt.Sprintf("lat-%d", i), Content: "hi"})
+		require.NoError(t, err)
+		out = append(out, sent{res.OutboxID, time.Now()})
+	}
+	b.waitTerminal(time.Minute)
+	rows, err := b.db.Pool.Query(ctx, `SELECT o.id, r.finished_at FROM agent_runs r
+		JOIN agent_outbox o ON o.id = ANY(r.outbox_ids) WHERE r.outcome = 'done'`)
+	require.NoError(t, err)
+	done := map[int64]time.Time{}
+	for rows.Next() {
+		var id int64
+		var at time.Time
+		require.NoError(t, rows.Scan(&id, &at))
+		done[id] = at
+	}
+	require.NoError(t, rows.Err())
+	lat := make([]time.Duration, 0, len(out))
+	for _, s := range out {
+		lat = append(lat, max(done[s.id].Sub(s.at), 0))
+	}
+	slices.Sort(lat)
+	return lat
+}
+
+func pct(l []time.Duration, p float64) time.Duration {
+	if len(l) == 0 {
+		return 0
+	}
+	return l[min(len(l)-1, int(float64(len(l))*p))]
+}
+
+// TestBenchmarkTurns is the worker benchmark, written as a test gated by BATON_BENCH so that it
+// can use the same helpers as the tests (they take *testing.T): run it with
+//
+//	BATON_BENCH=1 go test -run TestBenchmarkTurns -v ./consumer/
+//
+// It reports turns/s with a zero-latency handler for 1 and 4 workers per source, and
+// producer-commit → reply-commit p50/p99 at 200 turns/s for both sources, measured in the
+// same run. Numbers are for comparison within the run, never asserted.
+func TestBenchmarkTurns(t *testing.T) {
+	if testing.Short() || !benchEnabled() {
+		t.Log("set BATON_BENCH=1 to run the worker benchmark")
+		return
+	}
+	const n = 3000
+	for _, src := range sources {
+		for _, workers := range []int{1, 4} {
+			b := setup(t, src)
+			for range workers {
+				b.worker(consumer.Config{PollInterval: 250 * time.Millisecond})
+			}
+			took := runTurns(t, b, n)
+			t.Logf("BENCH throughput source=%s workers=%d turns=%d took=%v turns/s=%.0f", src, workers, n, took.Round(time.Millisecond), float64(n)/took.Seconds())
+		}
+	}
+	p50 := map[source]time.Duration{}
+	for _, src := range sources {
+		b := setup(t, src)
+		b.worker(consumer.Config{PollInterval: 250 * time.Millisecond})
+		lat := latencies(t, b, 200, 5*time.Second)
+		p50[src] = pct(lat, .5)
+		t.Logf("BENCH latency source=%s rate=200/s n=%d p50=%v p99=%v (debounce 5ms, poll 250ms)", src, len(lat),
+			pct(lat, .5).Round(10*time.Microsecond), pct(lat, .99).Round(10*time.Microsecond))
+	}
+	t.Logf("BENCH polling p50 / jetstream p50 = %.1fx", float64(p50[polling])/float64(p50[jetStream]))
+}
+
+func benchEnabled() bool { return os.Getenv("BATON_BENCH") != "" }
