@@ -206,10 +206,16 @@ func (p *Postgres) Start(ctx context.Context) error {
 			p.cmd = nil
 			return fmt.Errorf("postgres exited during start-up: %s", p.logTail())
 		case <-ctx.Done():
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) // never leave a half-started server
+			<-exited
+			p.cmd = nil
 			return fmt.Errorf("wait for postgres: %w", ctx.Err())
 		case <-time.After(25 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+			<-exited
+			p.cmd = nil
 			return fmt.Errorf("postgres not ready after 60s: %w; log: %s", err, p.logTail())
 		}
 	}

@@ -1,0 +1,23 @@
+// Package relay carries committed outbox rows from Postgres to NATS JetStream.
+//
+// A Relay tails a publication with logical replication (pgoutput) and publishes every insert
+// into agent_outbox as a turn event on <prefix>.turns.<conv>, and every reply or error message
+// as an outcome event on <prefix>.outcomes.<conv>.
+//
+// Guarantees, each kept by the code named:
+//   - Nothing is lost (pipeline.advance): the LSN confirmed to Postgres is the end of the
+//     newest transaction whose events, with every transaction before it, JetStream
+//     acknowledged. Write, flush and apply positions are all set to it explicitly.
+//   - Nothing is doubled within JetStream's duplicate window: each event carries a
+//     Nats-Msg-Id derived from its row (TurnMsgID, OutcomeMsgID), and a replay after a crash
+//     republishes the same ids. Consumers dedupe by outbox id beyond the window.
+//   - Per-conversation order (pipeline.handle): an event is published only after every
+//     earlier event of its subject has a PubAck, and any publish error restarts the session
+//     from the confirmed LSN.
+//   - A quiet outbox holds no WAL: keepalive WAL ends are confirmed between transactions when
+//     nothing is in flight.
+//   - First start migrates a polling backlog: the slot's exported snapshot is used to
+//     publish every pending or processing row before streaming from the consistent point.
+//   - One relay per slot streams; others stand by (a session advisory lock and the slot's
+//     own exclusivity) and take over when it goes away.
+package relay
