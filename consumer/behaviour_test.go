@@ -336,3 +336,24 @@ func TestLiveSwitchFromPollingToJetStream(t *testing.T) {
 func producerMessage(conv string, i int) producer.Message {
 	return producer.Message{ConversationID: conv, ID: fmt.Sprintf("%s-%d", conv, i), Content: strconv.Itoa(i)}
 }
+
+func TestShutdownReleasesRunningTurns(t *testing.T) {
+	t.Parallel()
+	b := setup(t, polling)
+	entered := make(chan struct{})
+	stop := b.worker(consumer.Config{ShutdownGrace: 50 * time.Millisecond, Handler: func(ctx context.Context, _ *consumer.Turn) (consumer.Reply, error) {
+		close(entered)
+		<-ctx.Done() // a long model call that honours cancellation
+		return consumer.Reply{}, ctx.Err()
+	}})
+	b.conversation("c")
+	b.send("c", "m1", "hi")
+	<-entered
+	stop()
+	require.Equal(t, []string{"pending"}, query[string](t, b.db, `SELECT status FROM agent_outbox`), "released, not failed")
+	require.Equal(t, []int{0}, query[int](t, b.db, `SELECT attempts FROM agent_outbox`), "a shutdown is not an attempt")
+	require.Equal(t, []string{"released"}, query[string](t, b.db, `SELECT outcome FROM agent_runs`))
+	b.worker(consumer.Config{})
+	b.waitTerminal(time.Minute)
+	require.Equal(t, []string{"echo: hi"}, query[string](t, b.db, `SELECT content FROM messages WHERE role = 'assistant'`))
+}

@@ -199,6 +199,25 @@ func (s *store) release(ctx context.Context, runID string, ids []int64, attempts
 	})
 }
 
+// releaseNow hands run's rows back at once, without counting the attempt: the worker is
+// stopping, the turn did not fail.
+func (s *store) releaseNow(ctx context.Context, runID string, ids []int64) error {
+	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `UPDATE operations SET status = 'error', error = 'interrupted: the worker stopped',
+			finished_at = now() WHERE run_id = $1 AND status = 'running'`, runID); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `UPDATE agent_outbox
+			SET status = 'pending', run_id = NULL, lease_expires_at = NULL, attempts = greatest(attempts - 1, 0), available_at = now()
+			WHERE id = ANY($1) AND run_id = $2 AND status = 'processing'`, ids, runID); err != nil {
+			return fmt.Errorf("release run %s: %w", runID, err)
+		}
+		_, err := tx.Exec(ctx, `UPDATE agent_runs SET finished_at = clock_timestamp(), outcome = 'released',
+			error = 'worker stopped' WHERE run_id = $1`, runID)
+		return err
+	})
+}
+
 // sideEffects reports whether run has a write operation that ran or may have run.
 func (s *store) sideEffects(ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row

@@ -15,6 +15,9 @@ import (
 	"golang.org/x/sync/errgroup"
 )
 
+// errStopping cancels turns still running ShutdownGrace after the worker was told to stop.
+var errStopping = errors.New("worker stopping")
+
 // Worker runs turns. Create it with New and call Run.
 type Worker struct {
 	cfg   Config
@@ -379,10 +382,15 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) bool 
 	defer dbCancel()
 	var result string
 	var err error
-	if herr == nil {
+	switch {
+	case herr == nil:
 		result = "done"
 		_, err = w.store.finish(dbCtx, conv, runID, c.ids, outcome{role: "assistant", content: reply.Content})
-	} else {
+	case errors.Is(context.Cause(turnCtx), errStopping):
+		// Not the turn's fault: hand the rows back for another worker, unless a write tool ran.
+		result, err = w.stopped(dbCtx, conv, runID, c, herr)
+		log.Info("turn interrupted by shutdown", "result", result)
+	default:
 		result, err = w.fail(dbCtx, conv, runID, c, herr)
 		log.Warn("turn failed", "error", herr, "attempt", c.attempts, "result", result)
 	}
@@ -423,6 +431,19 @@ func (w *Worker) callHandler(ctx context.Context, t *Turn) (reply Reply, err err
 		}
 	}()
 	return w.cfg.Handler(ctx, t)
+}
+
+// stopped ends a turn cut short by shutdown: its rows go back to pending at once, the attempt
+// not counted; a turn whose write tool ran or may have run still fails visibly.
+func (w *Worker) stopped(ctx context.Context, conv, runID string, c claim, herr error) (string, error) {
+	write, err := w.store.sideEffects(ctx, w.store.pool, runID)
+	if err != nil {
+		return "", err
+	}
+	if write {
+		return w.fail(ctx, conv, runID, c, herr)
+	}
+	return "released", w.store.releaseNow(ctx, runID, c.ids)
 }
 
 // fail ends a failed attempt: a visible failure when a write tool ran or may have run, or when
@@ -467,7 +488,7 @@ func (w *Worker) keepLease(ctx, turnCtx context.Context, cancel context.CancelCa
 			stopping = nil
 			grace = time.After(w.cfg.ShutdownGrace)
 		case <-grace:
-			cancel(errors.New("worker stopping"))
+			cancel(errStopping)
 			return
 		case <-inProgress.C:
 			w.mu.Lock()

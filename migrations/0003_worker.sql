@@ -12,7 +12,7 @@ CREATE TABLE agent_runs (
     worker          text NOT NULL,
     started_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
     finished_at     timestamptz,
-    outcome         text CHECK (outcome IN ('done', 'retry', 'error', 'recovered', 'lease_lost', 'cancelled')),
+    outcome         text CHECK (outcome IN ('done', 'retry', 'error', 'recovered', 'released', 'cancelled')),
     error           text
 );
 
