@@ -165,7 +165,13 @@ func (w *Worker) schedule(ctx context.Context, conversationID string, ev *event)
 		w.convs[conversationID] = st
 	}
 	if ev != nil {
-		st.events = append(st.events, *ev)
+		// A redelivery of an event already held replaces it: the newest delivery is the one
+		// JetStream expects an ack for.
+		if i := slices.IndexFunc(st.events, func(h event) bool { return h.outboxID == ev.outboxID }); i >= 0 {
+			st.events[i] = *ev
+		} else {
+			st.events = append(st.events, *ev)
+		}
 	}
 	if st.active {
 		return
