@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/consumer"
@@ -113,7 +114,8 @@ func TestBenchmarkTurns(t *testing.T) {
 		for _, workers := range []int{1, 4} {
 			b := setup(t, src)
 			for range workers {
-				b.worker(consumer.Config{PollInterval: 250 * time.Millisecond})
+				// Each worker has a pool of its own, as a worker process would.
+				b.worker(consumer.Config{Pool: b.pool(t, 16), PollInterval: 250 * time.Millisecond})
 			}
 			took := runTurns(t, b, n)
 			t.Logf("BENCH throughput source=%s workers=%d turns=%d took=%v turns/s=%.0f", src, workers, n, took.Round(time.Millisecond), float64(n)/took.Seconds())
@@ -122,7 +124,7 @@ func TestBenchmarkTurns(t *testing.T) {
 	p50 := map[source]time.Duration{}
 	for _, src := range sources {
 		b := setup(t, src)
-		b.worker(consumer.Config{PollInterval: 250 * time.Millisecond})
+		b.worker(consumer.Config{Pool: b.pool(t, 16), PollInterval: 250 * time.Millisecond})
 		lat := latencies(t, b, 200, 5*time.Second)
 		p50[src] = pct(lat, .5)
 		t.Logf("BENCH latency source=%s rate=200/s n=%d p50=%v p99=%v (debounce 5ms, poll 250ms)", src, len(lat),
@@ -132,3 +134,15 @@ func TestBenchmarkTurns(t *testing.T) {
 }
 
 func benchEnabled() bool { return os.Getenv("BATON_BENCH") != "" }
+
+// pool opens a pool of its own on the test database.
+func (b *bundle) pool(t *testing.T, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(b.db.URL)
+	require.NoError(t, err)
+	cfg.MaxConns = maxConns
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(p.Close)
+	return p
+}

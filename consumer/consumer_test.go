@@ -95,7 +95,9 @@ func setup(t *testing.T, src source) *bundle {
 func (b *bundle) worker(cfg consumer.Config) (stop func()) {
 	t := b.t
 	t.Helper()
-	cfg.Pool = b.db.Pool
+	if cfg.Pool == nil {
+		cfg.Pool = b.db.Pool
+	}
 	if cfg.NATS == nil {
 		cfg.NATS = b.nc
 	}
