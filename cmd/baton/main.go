@@ -34,6 +34,7 @@ var commands = map[string]command{
 	"demo":    {summary: demoSummary, run: runDemo},
 	"migrate": {summary: migrateSummary, run: runMigrate},
 	"relay":   {summary: relaySummary, run: runRelay},
+	"status":  {summary: statusSummary, run: runStatus},
 	"version": {summary: versionSummary, run: runVersion},
 }
 

@@ -1,0 +1,173 @@
+package statusreport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/batonhq/baton/internal/subject"
+	"github.com/batonhq/baton/migrations"
+	"github.com/batonhq/baton/relay"
+)
+
+// DB is what Gather reads Postgres with; *pgx.Conn and *pgxpool.Pool satisfy it.
+type DB interface {
+	migrations.Beginner
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Gather reads the database sections of a report: slot, outbox and schema. A section that
+// cannot be read carries its error instead of failing the whole report. Streams are left
+// unchecked: fill them with GatherStreams or StreamsSkipped / StreamsUnreachable.
+func Gather(ctx context.Context, db DB, opts Options) *Report {
+	opts.fill()
+	r := &Report{
+		GeneratedAt:       time.Now().UTC(),
+		StaleAfterSeconds: opts.StaleAfter.Seconds(),
+		Attention:         []string{},
+		Warnings:          []string{},
+		Slot:              Slot{Name: opts.Slot},
+		Schema:            Schema{BinaryVersion: migrations.Latest()},
+	}
+	// When this fails, so does every section below, and each says why.
+	_ = db.QueryRow(ctx, `SELECT current_database()`).Scan(&r.Database)
+	readSchema(ctx, db, &r.Schema)
+	readSlot(ctx, db, &r.Slot)
+	readOutbox(ctx, db, &r.Outbox)
+	return r
+}
+
+func readSchema(ctx context.Context, db DB, s *Schema) {
+	versions, err := migrations.Applied(ctx, db)
+	if err != nil {
+		s.Error = err.Error()
+		return
+	}
+	if len(versions) > 0 {
+		s.Version = versions[len(versions)-1]
+	}
+}
+
+// slotSQL reads one slot with the server's WAL position. pg_wal_lsn_diff gives numeric.
+const slotSQL = `SELECT coalesce(s.database, ''), coalesce(s.plugin, ''), s.active, s.active_pid,
+		coalesce(s.wal_status, ''), coalesce(s.restart_lsn::text, ''), coalesce(s.confirmed_flush_lsn::text, ''),
+		w.lsn::text,
+		pg_wal_lsn_diff(w.lsn, s.restart_lsn)::bigint,
+		pg_wal_lsn_diff(w.lsn, s.confirmed_flush_lsn)::bigint,
+		s.safe_wal_size
+	FROM pg_replication_slots s, (SELECT pg_current_wal_lsn() AS lsn) w
+	WHERE s.slot_name = $1`
+
+func readSlot(ctx context.Context, db DB, s *Slot) {
+	var pid *int32
+	err := db.QueryRow(ctx, slotSQL, s.Name).Scan(&s.Database, &s.Plugin, &s.Active, &pid, &s.WALStatus,
+		&s.RestartLSN, &s.ConfirmedLSN, &s.CurrentLSN, &s.RetainedWALBytes, &s.LagBytes, &s.SafeWALSizeBytes)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return
+	case err != nil:
+		s.Error = fmt.Sprintf("read slot %s: %v", s.Name, err)
+		return
+	}
+	s.Exists = true
+	if pid != nil {
+		p := int(*pid)
+		s.ActivePID = &p
+	}
+}
+
+// outboxSQL counts rows by status in one scan, with the ages of the oldest pending row and of
+// the oldest expired lease, by the database's clock.
+const outboxSQL = `SELECT
+		count(*) FILTER (WHERE status = 'pending'),
+		count(*) FILTER (WHERE status = 'processing'),
+		count(*) FILTER (WHERE status = 'done'),
+		count(*) FILTER (WHERE status = 'error'),
+		min(created_at) FILTER (WHERE status = 'pending'),
+		extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8,
+		count(*) FILTER (WHERE status = 'processing' AND lease_expires_at < now()),
+		extract(epoch FROM now() - min(lease_expires_at) FILTER (WHERE status = 'processing' AND lease_expires_at < now()))::float8
+	FROM agent_outbox`
+
+// claimSQL finds when the run holding the oldest processing row started.
+const claimSQL = `SELECT min(r.started_at), extract(epoch FROM now() - min(r.started_at))::float8
+	FROM agent_outbox o JOIN agent_runs r ON r.run_id = o.run_id
+	WHERE o.status = 'processing'`
+
+func readOutbox(ctx context.Context, db DB, o *Outbox) {
+	c := &o.ByStatus
+	if err := db.QueryRow(ctx, outboxSQL).Scan(&c.Pending, &c.Processing, &c.Done, &c.Error,
+		&o.OldestPendingAt, &o.OldestPendingAgeSeconds, &o.ExpiredLeases, &o.ExpiredLeaseAgeSeconds); err != nil {
+		o.Error = fmt.Sprintf("read agent_outbox: %v", err)
+		return
+	}
+	if c.Processing == 0 {
+		return
+	}
+	if err := db.QueryRow(ctx, claimSQL).Scan(&o.OldestProcessingAt, &o.OldestProcessingAgeSeconds); err != nil {
+		o.Error = fmt.Sprintf("read agent_runs: %v", err)
+	}
+}
+
+// StreamsSkipped is the streams section when NATS is not configured; note says so.
+func StreamsSkipped(note string) Streams {
+	return Streams{Note: note}
+}
+
+// StreamsUnreachable is the streams section when NATS could not be reached at url (redacted).
+func StreamsUnreachable(url string, err error) Streams {
+	return Streams{Checked: true, URL: url, Error: err.Error()}
+}
+
+// GatherStreams reads the turns and outcomes streams and the workers' durable consumer. url
+// (redacted) is only shown.
+func GatherStreams(ctx context.Context, js jetstream.JetStream, url string, opts Options) Streams {
+	opts.fill()
+	s := Streams{Checked: true, URL: url}
+	s.Turns = readStream(ctx, js, relay.StreamName(opts.SubjectPrefix, subject.KindTurns))
+	s.Outcomes = readStream(ctx, js, relay.StreamName(opts.SubjectPrefix, subject.KindOutcomes))
+	s.Consumer = readConsumer(ctx, js, s.Turns.Name, opts.Durable)
+	return s
+}
+
+func readStream(ctx context.Context, js jetstream.JetStream, name string) *Stream {
+	st := &Stream{Name: name}
+	stream, err := js.Stream(ctx, name)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return st
+	case err != nil:
+		st.Error = fmt.Sprintf("read stream %s: %v", name, err)
+		return st
+	}
+	st.Exists = true
+	state := stream.CachedInfo().State
+	st.Messages, st.Bytes = state.Msgs, state.Bytes
+	st.FirstSeq, st.LastSeq, st.Consumers = state.FirstSeq, state.LastSeq, state.Consumers
+	if !state.LastTime.IsZero() && state.Msgs > 0 {
+		t := state.LastTime.UTC()
+		st.LastTime = &t
+	}
+	return st
+}
+
+func readConsumer(ctx context.Context, js jetstream.JetStream, stream, durable string) *Consumer {
+	c := &Consumer{Name: durable, Stream: stream}
+	cons, err := js.Consumer(ctx, stream, durable)
+	switch {
+	case errors.Is(err, jetstream.ErrConsumerNotFound), errors.Is(err, jetstream.ErrStreamNotFound):
+		return c
+	case err != nil:
+		c.Error = fmt.Sprintf("read consumer %s: %v", durable, err)
+		return c
+	}
+	info := cons.CachedInfo()
+	c.Exists = true
+	c.NumPending, c.NumAckPending = info.NumPending, info.NumAckPending
+	c.NumRedelivered, c.NumWaiting = info.NumRedelivered, info.NumWaiting
+	return c
+}

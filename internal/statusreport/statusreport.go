@@ -1,0 +1,183 @@
+// Package statusreport builds what `baton status` shows: the relay's replication slot, the
+// outbox, the JetStream streams and the workers' consumer, and the schema version, plus the
+// list of things that need an operator's attention.
+//
+// Reading (Gather, GatherStreams) is kept apart from judging (Report.Evaluate) and printing
+// (WriteText, WriteJSON), which are pure functions of a Report. Ages are computed by the
+// database's clock, so a skewed client clock cannot make work look stale or fresh.
+//
+// The JSON form is a contract: its field names are the json tags below and do not change.
+// Fields are added, never renamed or removed. Sizes are bytes, ages are seconds (float),
+// times are RFC 3339, and a value that does not apply (no pending row, an inactive slot's pid)
+// is null.
+package statusreport
+
+import (
+	"time"
+)
+
+// Defaults of Options.
+const (
+	DefaultSlot          = "baton"
+	DefaultSubjectPrefix = "agent"
+	DefaultDurable       = "baton-workers"
+	DefaultStaleAfter    = 5 * time.Minute
+)
+
+// Options says what to look at. Zero values take the defaults above.
+type Options struct {
+	// Slot is the relay's replication slot. Default "baton".
+	Slot string
+	// SubjectPrefix names the streams: relay.StreamName(prefix, "turns"|"outcomes").
+	// Default "agent".
+	SubjectPrefix string
+	// Durable is the workers' durable consumer on the turns stream. Default "baton-workers".
+	Durable string
+	// StaleAfter is the age past which the oldest pending request, or an expired lease no
+	// worker recovered, needs attention. Default 5m.
+	StaleAfter time.Duration
+}
+
+func (o *Options) fill() {
+	def := func(s *string, v string) {
+		if *s == "" {
+			*s = v
+		}
+	}
+	def(&o.Slot, DefaultSlot)
+	def(&o.SubjectPrefix, DefaultSubjectPrefix)
+	def(&o.Durable, DefaultDurable)
+	if o.StaleAfter <= 0 {
+		o.StaleAfter = DefaultStaleAfter
+	}
+}
+
+// Report is everything `baton status` shows. See the package doc for the JSON conventions.
+type Report struct {
+	// GeneratedAt is when the report was read (client clock).
+	GeneratedAt time.Time `json:"generated_at"`
+	// Database is the database the report read (current_database()).
+	Database string `json:"database"`
+	// StaleAfterSeconds is the threshold Evaluate judged ages against.
+	StaleAfterSeconds float64 `json:"stale_after_seconds"`
+	// OK is true when Attention is empty. Set by Evaluate.
+	OK bool `json:"ok"`
+	// Attention lists what needs an operator now; `baton status` exits 1 when it is not empty.
+	Attention []string `json:"attention"`
+	// Warnings lists what is unusual but not (yet) a problem.
+	Warnings []string `json:"warnings"`
+
+	Slot    Slot    `json:"slot"`
+	Outbox  Outbox  `json:"outbox"`
+	Streams Streams `json:"streams"`
+	Schema  Schema  `json:"schema"`
+}
+
+// Slot is the relay's logical replication slot (pg_replication_slots).
+type Slot struct {
+	Name string `json:"name"`
+	// Exists is false when no slot has that name: no relay ever started here, or it was dropped.
+	Exists bool `json:"exists"`
+	// Database and Plugin are the slot's; a relay needs this database and pgoutput.
+	Database string `json:"database,omitempty"`
+	Plugin   string `json:"plugin,omitempty"`
+	// Active is true while a relay streams from the slot; ActivePID is its walsender's pid.
+	Active    bool `json:"active"`
+	ActivePID *int `json:"active_pid"`
+	// WALStatus is reserved, extended, unreserved or lost.
+	WALStatus string `json:"wal_status,omitempty"`
+	// RestartLSN, ConfirmedLSN (confirmed_flush_lsn) and CurrentLSN (pg_current_wal_lsn()).
+	RestartLSN   string `json:"restart_lsn,omitempty"`
+	ConfirmedLSN string `json:"confirmed_lsn,omitempty"`
+	CurrentLSN   string `json:"current_lsn,omitempty"`
+	// RetainedWALBytes is current − restart_lsn: the WAL the slot keeps on disk.
+	RetainedWALBytes *int64 `json:"retained_wal_bytes"`
+	// LagBytes is current − confirmed_flush_lsn: WAL the relay has not confirmed.
+	LagBytes *int64 `json:"lag_bytes"`
+	// SafeWALSizeBytes is how much more WAL may be written before the slot is lost; null when
+	// max_slot_wal_keep_size is unlimited.
+	SafeWALSizeBytes *int64 `json:"safe_wal_size_bytes"`
+	// Error is set when the slot could not be read.
+	Error string `json:"error,omitempty"`
+}
+
+// Outbox is agent_outbox by status, with the ages that show stuck work.
+type Outbox struct {
+	ByStatus StatusCounts `json:"by_status"`
+	// OldestPendingAt and OldestPendingAgeSeconds describe the oldest pending row (created_at).
+	OldestPendingAt         *time.Time `json:"oldest_pending_at"`
+	OldestPendingAgeSeconds *float64   `json:"oldest_pending_age_seconds"`
+	// OldestProcessingAt and OldestProcessingAgeSeconds describe the longest-held claim: when
+	// the run holding the oldest processing row started (agent_runs.started_at).
+	OldestProcessingAt         *time.Time `json:"oldest_processing_at"`
+	OldestProcessingAgeSeconds *float64   `json:"oldest_processing_age_seconds"`
+	// ExpiredLeases counts processing rows whose lease ran out; workers recover them within
+	// seconds. ExpiredLeaseAgeSeconds is how long ago the oldest one expired.
+	ExpiredLeases          int64    `json:"expired_leases"`
+	ExpiredLeaseAgeSeconds *float64 `json:"expired_lease_age_seconds"`
+	// Error is set when the outbox could not be read.
+	Error string `json:"error,omitempty"`
+}
+
+// StatusCounts counts agent_outbox rows by status.
+type StatusCounts struct {
+	Pending    int64 `json:"pending"`
+	Processing int64 `json:"processing"`
+	Done       int64 `json:"done"`
+	Error      int64 `json:"error"`
+}
+
+// Streams is the JetStream side: the relay's two streams and the workers' consumer.
+type Streams struct {
+	// Checked is false when no NATS URL was given; Note says so.
+	Checked bool   `json:"checked"`
+	Note    string `json:"note,omitempty"`
+	// URL is the NATS URL, password redacted.
+	URL string `json:"url,omitempty"`
+	// Error is set when NATS could not be reached.
+	Error    string    `json:"error,omitempty"`
+	Turns    *Stream   `json:"turns"`
+	Outcomes *Stream   `json:"outcomes"`
+	Consumer *Consumer `json:"consumer"`
+}
+
+// Stream is one JetStream stream's state.
+type Stream struct {
+	Name   string `json:"name"`
+	Exists bool   `json:"exists"`
+	// Messages and Bytes are what the stream holds now.
+	Messages uint64     `json:"messages"`
+	Bytes    uint64     `json:"bytes"`
+	FirstSeq uint64     `json:"first_seq"`
+	LastSeq  uint64     `json:"last_seq"`
+	LastTime *time.Time `json:"last_time"`
+	// Consumers counts the stream's consumers.
+	Consumers int    `json:"consumers"`
+	Error     string `json:"error,omitempty"`
+}
+
+// Consumer is the workers' durable consumer on the turns stream.
+type Consumer struct {
+	Name   string `json:"name"`
+	Stream string `json:"stream"`
+	Exists bool   `json:"exists"`
+	// NumPending is events not yet delivered to any worker.
+	NumPending uint64 `json:"num_pending"`
+	// NumAckPending is events delivered and not acked: turns running or waiting for their rows
+	// to become terminal.
+	NumAckPending int `json:"num_ack_pending"`
+	// NumRedelivered is unacked events delivered more than once.
+	NumRedelivered int `json:"num_redelivered"`
+	// NumWaiting is open pull requests: workers connected and asking for events.
+	NumWaiting int    `json:"num_waiting"`
+	Error      string `json:"error,omitempty"`
+}
+
+// Schema is the database's migration version against this binary's.
+type Schema struct {
+	// Version is the highest applied migration; 0 when none is.
+	Version int `json:"version"`
+	// BinaryVersion is the newest migration this binary embeds.
+	BinaryVersion int    `json:"binary_version"`
+	Error         string `json:"error,omitempty"`
+}
