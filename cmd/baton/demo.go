@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -29,29 +30,39 @@ import (
 	"github.com/batonhq/baton/relay"
 )
 
-const demoSummary = "send messages through producer, Postgres, relay and JetStream, and check none is lost or doubled"
+const demoSummary = "send messages through producer, relay, JetStream and two echo workers, and check each gets exactly one outcome"
 
-const demoDescription = `Demo shows Baton's durable path end to end on this machine: it sends user messages with the
-producer over many conversations, runs the relay in this process, and reads the turns stream
-back to check that every accepted message reached JetStream exactly once. About 5% of the
-messages are sent a second time with the same id, as a client retrying after a timeout would:
-each retry must come back as AlreadyAccepted with the same outbox row, and write nothing.
+const demoDescription = `Demo runs Baton end to end on this machine. It sends user messages with the producer over
+many conversations, and runs in this process the relay, two echo-agent workers (demo-worker-1
+and demo-worker-2, each with a connection pool of its own) and an outcome subscriber. It follows
+the turns stream, to check that every accepted message reached JetStream once, and the outcomes
+stream, to check that every accepted message got exactly one terminal outcome: an assistant
+reply, or a visible failure (an error message in the conversation). About 5% of the messages are
+sent a second time with the same id, as a client retrying after a timeout would: each retry must
+come back as AlreadyAccepted with the same outbox row, and write nothing.
+
+The workers' handler calls a read tool (lookup, recorded as an operation) and replies with an
+echo of the turn's messages. --model-latency makes each turn take longer; --fail-every N makes
+every turn of every Nth conversation fail, so its messages end as visible failures after 2
+attempts.
 
 Without BATON_DATABASE_URL it starts a throwaway PostgreSQL cluster (the machine's server
 binaries, a temp dir, a free port); without BATON_NATS_URL an embedded NATS JetStream server.
 Both are stopped and removed when the demo ends, also on Ctrl-C.
 
 With BATON_DATABASE_URL set, the demo WRITES TO THAT DATABASE: it applies the migrations and
-adds conversations, messages and pending outbox rows whose ids start with "demo-", and its relay
-uses the configured slot (BATON_SLOT) and publication, creating the slot if it is missing. Point
-it at a scratch database, not at one whose workers would answer the demo's messages. With
-BATON_NATS_URL set, it publishes to the configured turns stream (BATON_SUBJECT_PREFIX).
+adds conversations, messages, outbox rows, runs and operations whose conversation and message
+ids start with "demo-"; its relay uses the configured slot (BATON_SLOT) and publication,
+creating the slot if it is missing; and its workers join the durable consumer "baton-workers"
+and answer EVERY pending message in that database with an echo. Point it at a scratch database.
+With BATON_NATS_URL set, it uses the configured streams (BATON_SUBJECT_PREFIX).
 
-Workers and replies are not part of the demo yet: they come with the worker issue.
-
-Exit status 0 when every accepted message is in the stream once (or the demo was interrupted
-and nothing was doubled), 1 otherwise. Logs go to stderr at level warn unless BATON_LOG_LEVEL
-or --log-level say otherwise.`
+The summary ends the demo: sent, retries, relayed, replied, failed visibly, lost (accepted
+messages with neither a reply nor a visible failure after the tail wait), duplicates (an event
+stored twice in a stream, or a message answered twice) and commit→reply latency. Ctrl-C stops
+sending, gives the workers a moment to answer what was accepted and reports the rest as
+unfinished, not lost. Exit status 0 when nothing was lost or doubled, 1 otherwise. Logs go to
+stderr at level warn (the workers' at error) unless BATON_LOG_LEVEL or --log-level say otherwise.`
 
 // Demo timing.
 const (
@@ -61,9 +72,12 @@ const (
 	demoRetryEvery = 20
 	// demoStartTimeout bounds starting the throwaway servers and the relay.
 	demoStartTimeout = 2 * time.Minute
-	// demoInterruptGrace is how long an interrupted demo still waits for the events of the
-	// messages it sent before it stops the relay.
+	// demoInterruptGrace is how long an interrupted demo still waits for the outcomes of the
+	// messages it sent before it stops the workers.
 	demoInterruptGrace = 5 * time.Second
+	// demoOutcomeGrace is how long the demo waits, after the workers stopped, for the outcomes
+	// of turns that finished during their shutdown grace.
+	demoOutcomeGrace = time.Second
 )
 
 // demoOptions are the demo's own flags.
@@ -72,6 +86,8 @@ type demoOptions struct {
 	conversations int
 	rate          float64
 	tailTimeout   time.Duration
+	modelLatency  time.Duration
+	failEvery     int
 }
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -81,7 +97,10 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.IntVar(&opts.conversations, "conversations", 50, "conversations to spread the messages over")
 	fs.Float64Var(&opts.rate, "rate", 500, "messages per second; 0 sends as fast as possible")
 	fs.DurationVar(&opts.tailTimeout, "tail-timeout", 60*time.Second,
-		"after the last send, how long to wait for every message to reach the stream")
+		"after the last send, how long to wait for every message's outcome")
+	fs.DurationVar(&opts.modelLatency, "model-latency", 0, "how long each simulated model call of the workers takes")
+	fs.IntVar(&opts.failEvery, "fail-every", 0,
+		"make every turn of every `N`th conversation fail, ending in visible failures (0: none)")
 	cfg, log, err := configureDemo(fs, args, stderr)
 	if err != nil {
 		return err
@@ -95,9 +114,21 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return usageError{msg: "--rate must not be negative (0 sends as fast as possible)"}
 	case opts.tailTimeout <= 0:
 		return usageError{msg: "--tail-timeout must be positive"}
+	case opts.modelLatency < 0:
+		return usageError{msg: "--model-latency must not be negative"}
+	case opts.failEvery < 0:
+		return usageError{msg: "--fail-every must not be negative (0 fails nothing)"}
 	}
 	log.Debug("configuration", "config", cfg)
-	d := &demo{opts: opts, cfg: cfg, log: log, out: stdout, tty: isTerminal(stdout)}
+	// The workers log every failed attempt at warn: with --fail-every that would bury the
+	// progress line. They log at error unless the level was chosen.
+	workerLog := log
+	if os.Getenv(config.EnvLogLevel) == "" && cfg.Source(config.EnvLogLevel) == config.EnvLogLevel {
+		wcfg := *cfg
+		wcfg.LogLevel = "error"
+		workerLog = wcfg.Logger(stderr)
+	}
+	d := &demo{opts: opts, cfg: cfg, log: log, workerLog: workerLog, out: stdout, tty: isTerminal(stdout)}
 	return d.run(ctx)
 }
 
@@ -148,25 +179,29 @@ func noPostgresError(err error) error {
 
 // demo is one run of `baton demo`.
 type demo struct {
-	opts demoOptions
-	cfg  *config.Config
-	log  *slog.Logger
-	out  io.Writer
-	tty  bool
+	opts      demoOptions
+	cfg       *config.Config
+	log       *slog.Logger
+	workerLog *slog.Logger
+	out       io.Writer
+	tty       bool
 
-	runID  string // prefix of every id this run writes
-	stream string // the turns stream
-	stats  demoStats
+	runID    string // prefix of every id this run writes
+	stream   string // the turns stream
+	outcomes string // the outcomes stream
+	workers  []string
+	stats    demoStats
 }
 
-func (d *demo) convID(i int) string { return d.runID + "-c" + strconv.Itoa(i) }
+func (d *demo) convPrefix() string  { return d.runID + "-c" }
+func (d *demo) convID(i int) string { return d.convPrefix() + strconv.Itoa(i) }
 func (d *demo) msgPrefix() string   { return d.runID + "-m" }
 func (d *demo) msgID(i int) string  { return d.msgPrefix() + strconv.Itoa(i) }
 
 func (d *demo) printf(format string, args ...any) { fmt.Fprintf(d.out, format, args...) }
 
-// run sets up the servers, runs the relay and the demo flow, and prints the summary. Every
-// resource it starts is released by a defer, on every path.
+// run sets up the servers, runs the relay, the workers and the demo flow, and prints the
+// summary. Every resource it starts is released by a defer, on every path.
 func (d *demo) run(ctx context.Context) (err error) {
 	d.runID = "demo-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	cfg := *d.cfg // with the URLs of what the demo starts filled in
@@ -189,8 +224,8 @@ func (d *demo) run(ctx context.Context) (err error) {
 		cfg.DatabaseURL = pg.URL("postgres")
 		d.printf("  PostgreSQL on 127.0.0.1:%d, data in %s (removed on exit)\n", pg.Port, pg.Dir)
 	} else {
-		d.printf("using the PostgreSQL at %s (BATON_DATABASE_URL): the demo writes ids starting with %s- there\n",
-			config.Redact(cfg.DatabaseURL), d.runID)
+		d.printf("using the PostgreSQL at %s (BATON_DATABASE_URL): the demo writes ids starting with %s- there "+
+			"and its workers answer every pending message\n", config.Redact(cfg.DatabaseURL), d.runID)
 	}
 	if ctx.Err() != nil {
 		d.printf("interrupted before sending anything\n")
@@ -257,13 +292,22 @@ func (d *demo) run(ctx context.Context) (err error) {
 		return err
 	}
 	d.stream = relay.StreamName(cfg.SubjectPrefix, subject.KindTurns)
+	d.outcomes = relay.StreamName(cfg.SubjectPrefix, subject.KindOutcomes)
 	prod, err := producer.New(producer.Config{Logger: d.log})
 	if err != nil {
 		return err
 	}
+	agent := &demoAgent{latency: d.opts.modelLatency, failEvery: d.opts.failEvery, convPrefix: d.convPrefix()}
+	ws, err := newDemoWorkers(startCtx, &cfg, pcfg, agent.handle, d.workerLog, reg)
+	defer ws.close() // after the errgroup below: the workers have stopped
+	if err != nil {
+		return err
+	}
+	d.workers = ws.names
 
-	// The relay and the flow run under runCtx, not ctx: after Ctrl-C the flow stops sending
-	// but still gives the relay a moment to publish what was committed, then ends runCtx.
+	// The relay, the workers and the flow run under runCtx, not ctx: after Ctrl-C the flow
+	// stops sending but still gives the workers and the relay a moment to finish what was
+	// committed, then stops the workers and ends runCtx.
 	runCtx, cancelRun := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelRun()
 	g, gctx := errgroup.WithContext(runCtx)
@@ -276,11 +320,12 @@ func (d *demo) run(ctx context.Context) (err error) {
 	if cfg.MetricsAddr != "" {
 		g.Go(func() error { return opsserver.Serve(gctx, cfg.MetricsAddr, reg, r.Ready) })
 	}
+	ws.start(gctx, g)
 	var res demoResult
 	g.Go(func() error {
 		defer cancelRun() // the flow is done: stop the relay (it drains and confirms) and the rest
 		var err error
-		res, err = d.flow(ctx, gctx, r, nc, pool, prod, &cfg)
+		res, err = d.flow(ctx, gctx, r, nc, pool, prod, ws, &cfg)
 		return err
 	})
 	err = g.Wait()
@@ -297,30 +342,36 @@ func (d *demo) run(ctx context.Context) (err error) {
 type demoResult struct {
 	started     bool // sending began
 	interrupted bool
-	tailTimeout bool // the wait for the stream's tail ran out
+	tailTimeout bool // the wait for the outcomes ran out
 	sendTime    time.Duration
-	outboxRows  int64 // agent_outbox rows of this run; -1 when they could not be counted
 	snap        demoSnapshot
 	latency     demoLatency
+	db          demoDB
 }
 
 // verdict is the error the demo exits with: nil when nothing was lost or doubled.
 func (res demoResult) verdict() error {
 	s := res.snap
 	var problems []string
-	if s.streamDups > 0 {
-		problems = append(problems, fmt.Sprintf("%d duplicate events in the stream", s.streamDups))
+	if n := s.duplicates(); n > 0 {
+		problems = append(problems, fmt.Sprintf("%d duplicates (%s)", n, s.duplicateDetail()))
 	}
 	if s.retryBad > 0 {
 		problems = append(problems, fmt.Sprintf("%d retries were not recognised as duplicates", s.retryBad))
 	}
-	if res.outboxRows >= 0 && res.outboxRows != int64(s.sent) {
-		problems = append(problems, fmt.Sprintf("%d outbox rows for %d accepted messages", res.outboxRows, s.sent))
+	if res.db.outboxRows >= 0 && res.db.outboxRows != int64(s.sent) {
+		problems = append(problems, fmt.Sprintf("%d outbox rows for %d accepted messages", res.db.outboxRows, s.sent))
 	}
-	if s.lost() > 0 && !res.interrupted {
-		problems = append(problems, fmt.Sprintf("%d of %d accepted messages did not reach the stream", s.lost(), s.sent))
-		if res.tailTimeout {
-			problems[len(problems)-1] += " within --tail-timeout"
+	if !res.interrupted {
+		if n := s.unanswered(); n > 0 {
+			p := fmt.Sprintf("%d of %d accepted messages got neither a reply nor a visible failure", n, s.sent)
+			if res.tailTimeout {
+				p += " within --tail-timeout"
+			}
+			problems = append(problems, p)
+		}
+		if n := s.notRelayed(); n > 0 {
+			problems = append(problems, fmt.Sprintf("%d of %d accepted messages never reached the turns stream", n, s.sent))
 		}
 	}
 	if len(problems) == 0 {
@@ -329,11 +380,12 @@ func (res demoResult) verdict() error {
 	return errors.New("FAILED: " + strings.Join(problems, "; "))
 }
 
-// flow waits for the relay, subscribes to the turns stream, sends the messages and waits for
-// their events. ctx ends on Ctrl-C; gctx when the relay failed.
+// flow waits for the relay, subscribes to the turns and outcomes streams, sends the messages,
+// waits for their outcomes and stops the workers. ctx ends on Ctrl-C; gctx when the relay or a
+// worker failed.
 func (d *demo) flow(ctx, gctx context.Context, r *relay.Relay, nc *nats.Conn, pool *pgxpool.Pool,
-	prod *producer.Producer, cfg *config.Config) (res demoResult, err error) {
-	res.outboxRows = -1
+	prod *producer.Producer, ws *demoWorkers, cfg *config.Config) (res demoResult, err error) {
+	res.db = demoDB{outboxRows: -1, dbReplies: -1, lookups: -1}
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return res, fmt.Errorf("jetstream: %w", err)
@@ -348,18 +400,23 @@ func (d *demo) flow(ctx, gctx context.Context, r *relay.Relay, nc *nats.Conn, po
 		d.printf("interrupted before sending anything\n")
 		return res, nil
 	}
-	cc, err := d.subscribe(gctx, js, cfg.SubjectPrefix)
+	turns, err := d.subscribe(gctx, js, d.stream, subject.StreamFilter(cfg.SubjectPrefix, subject.KindTurns), d.onTurn)
 	if err != nil {
 		return res, err
 	}
-	defer func() {
-		cc.Stop()
-		select {
-		case <-cc.Closed():
-		case <-time.After(5 * time.Second):
-			d.log.Warn("turns subscriber did not stop within 5s")
-		}
-	}()
+	defer stopConsume(turns, d.stream, d.log)
+	outcomes, err := d.subscribe(gctx, js, d.outcomes, subject.StreamFilter(cfg.SubjectPrefix, subject.KindOutcomes), d.onOutcome)
+	if err != nil {
+		return res, err
+	}
+	defer stopConsume(outcomes, d.outcomes, d.log)
+	failing := ""
+	if d.opts.failEvery > 0 {
+		failing = fmt.Sprintf("; every turn of every %dth conversation fails on purpose", d.opts.failEvery)
+	}
+	d.printf("  workers %s consuming %s: echo handler with a lookup tool, model latency %s, %d attempts%s\n",
+		strings.Join(d.workers, " and "), d.stream, d.opts.modelLatency, demoMaxAttempts, failing)
+	d.printf("  outcome subscriber reading %s\n", d.outcomes)
 
 	if err := d.createConversations(ctx, gctx, pool, prod); err != nil {
 		if ctx.Err() != nil && gctx.Err() == nil {
@@ -388,7 +445,7 @@ func (d *demo) flow(ctx, gctx context.Context, r *relay.Relay, nc *nats.Conn, po
 	res.sendTime = time.Since(start)
 	res.interrupted = ctx.Err() != nil
 
-	// The tail: wait until every accepted message's event is in the stream.
+	// The tail: wait until every accepted message is in the turns stream and has its outcome.
 	wait := d.opts.tailTimeout
 	if res.interrupted {
 		wait = demoInterruptGrace
@@ -397,18 +454,30 @@ func (d *demo) flow(ctx, gctx context.Context, r *relay.Relay, nc *nats.Conn, po
 		res.tailTimeout = !d.waitTail(ctx, gctx, wait, res.interrupted)
 		res.interrupted = ctx.Err() != nil
 	}
+	// Stop the workers while the relay still runs: a running turn gets demoShutdownGrace to
+	// finish, then its rows are released. Outcomes committed meanwhile still reach the stream.
+	ws.stop()
+	if sendErr == nil && gctx.Err() == nil && !d.stats.snapshot().settled() {
+		res.tailTimeout = !d.waitTail(ctx, gctx, demoOutcomeGrace, true) && res.tailTimeout
+	}
 	close(stopProgress)
 	<-progressDone
 
-	countCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
-	if err := pool.QueryRow(countCtx, `SELECT count(*) FROM agent_outbox WHERE starts_with(message_id, $1)`,
-		d.msgPrefix()).Scan(&res.outboxRows); err != nil {
-		d.log.Warn("count the demo's outbox rows", "error", err)
-		res.outboxRows = -1
-	}
+	res.db = d.queryDB(qctx, pool)
 	res.snap, res.latency = d.stats.final()
 	return res, sendErr
+}
+
+// stopConsume stops a subscription and waits for it to end, a few seconds at most.
+func stopConsume(cc jetstream.ConsumeContext, stream string, log *slog.Logger) {
+	cc.Stop()
+	select {
+	case <-cc.Closed():
+	case <-time.After(5 * time.Second):
+		log.Warn("subscriber did not stop within 5s", "stream", stream)
+	}
 }
 
 // waitRelay waits until the relay streams, or stands by while another relay streams from the
@@ -420,17 +489,20 @@ func (d *demo) waitRelay(ctx, gctx context.Context, r *relay.Relay, js jetstream
 	defer tick.Stop()
 	for {
 		if r.Active() {
-			d.printf("  relay streaming from slot %s to stream %s\n", d.cfg.Slot, d.stream)
+			d.printf("  relay streaming from slot %s to streams %s and %s\n", d.cfg.Slot, d.stream, d.outcomes)
 			return false, nil
 		}
 		if r.Ready() {
 			// Standing by: another relay holds the slot and publishes the demo's events.
 			sctx, cancel := context.WithTimeout(gctx, 2*time.Second)
 			_, err := js.Stream(sctx, d.stream)
+			if err == nil {
+				_, err = js.Stream(sctx, d.outcomes)
+			}
 			cancel()
 			if err == nil {
-				d.printf("  another relay holds slot %s; this one stands by and the other publishes to %s\n",
-					d.cfg.Slot, d.stream)
+				d.printf("  another relay holds slot %s; this one stands by and the other publishes to %s and %s\n",
+					d.cfg.Slot, d.stream, d.outcomes)
 				return false, nil
 			}
 		}
@@ -448,44 +520,72 @@ func (d *demo) waitRelay(ctx, gctx context.Context, r *relay.Relay, js jetstream
 	}
 }
 
-// subscribe reads the turns stream from its current end with an ordered consumer, which
-// delivers each stored message once, in order, without acks: an outbox id seen twice is a
-// duplicate in the stream, not a redelivery.
-func (d *demo) subscribe(ctx context.Context, js jetstream.JetStream, prefix string) (jetstream.ConsumeContext, error) {
-	st, err := js.Stream(ctx, d.stream)
+// subscribe reads stream from its current end with an ordered consumer, which delivers each
+// stored message once, in order, without acks: an id seen twice is a duplicate stored in the
+// stream, not a redelivery.
+func (d *demo) subscribe(ctx context.Context, js jetstream.JetStream, stream, filter string,
+	handle func(jetstream.Msg)) (jetstream.ConsumeContext, error) {
+	st, err := js.Stream(ctx, stream)
 	if err != nil {
-		return nil, fmt.Errorf("look up stream %s: %w", d.stream, err)
+		return nil, fmt.Errorf("look up stream %s: %w", stream, err)
 	}
-	cons, err := js.OrderedConsumer(ctx, d.stream, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{subject.StreamFilter(prefix, subject.KindTurns)},
+	cons, err := js.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{filter},
 		DeliverPolicy:  jetstream.DeliverByStartSequencePolicy,
 		OptStartSeq:    st.CachedInfo().State.LastSeq + 1,
 	})
 	if err != nil {
-		return nil, fmt.Errorf("subscribe to stream %s: %w", d.stream, err)
+		return nil, fmt.Errorf("subscribe to stream %s: %w", stream, err)
 	}
-	prefixID := d.msgPrefix()
-	cc, err := cons.Consume(func(m jetstream.Msg) {
-		var ev relay.TurnEvent
-		if err := json.Unmarshal(m.Data(), &ev); err != nil {
-			d.log.Warn("undecodable turn event", "subject", m.Subject(), "error", err)
-			return
-		}
-		if !strings.HasPrefix(ev.MessageID, prefixID) {
-			return // not this run's: another demo, or real traffic on a shared stream
-		}
-		stored := time.Now()
-		if md, err := m.Metadata(); err == nil {
-			stored = md.Timestamp
-		}
-		d.stats.relayed(ev.OutboxID, stored)
-	}, jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
-		d.log.Debug("turns subscriber", "error", err)
+	cc, err := cons.Consume(handle, jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
+		d.log.Debug("subscriber", "stream", stream, "error", err)
 	}))
 	if err != nil {
-		return nil, fmt.Errorf("consume stream %s: %w", d.stream, err)
+		return nil, fmt.Errorf("consume stream %s: %w", stream, err)
 	}
 	return cc, nil
+}
+
+// storedAt is when JetStream stored m, or now when its metadata cannot be read.
+func storedAt(m jetstream.Msg) time.Time {
+	if md, err := m.Metadata(); err == nil {
+		return md.Timestamp
+	}
+	return time.Now()
+}
+
+// onTurn counts a turn event of this run.
+func (d *demo) onTurn(m jetstream.Msg) {
+	var ev relay.TurnEvent
+	if err := json.Unmarshal(m.Data(), &ev); err != nil {
+		d.log.Warn("undecodable turn event", "subject", m.Subject(), "error", err)
+		return
+	}
+	if !strings.HasPrefix(ev.MessageID, d.msgPrefix()) {
+		return // not this run's: another demo, or real traffic on a shared stream
+	}
+	d.stats.relayed(ev.OutboxID, storedAt(m))
+}
+
+// onOutcome is the outcome subscriber: like examples/subscriber it dedupes by message id, and
+// it maps each outcome to the sent messages it answers by the outbox ids it names.
+func (d *demo) onOutcome(m jetstream.Msg) {
+	var ev relay.OutcomeEvent
+	if err := json.Unmarshal(m.Data(), &ev); err != nil || ev.MessageID == "" {
+		d.log.Warn("undecodable outcome event", "subject", m.Subject(), "error", err)
+		return
+	}
+	if !strings.HasPrefix(ev.ConversationID, d.convPrefix()) {
+		return // not this run's conversations
+	}
+	if ev.Role != "assistant" && ev.Role != "error" {
+		d.log.Warn("outcome with an unexpected role", "message_id", ev.MessageID, "role", ev.Role)
+		return
+	}
+	if len(ev.OutboxIDs) == 0 {
+		d.log.Warn("outcome names no outbox ids", "message_id", ev.MessageID)
+	}
+	d.stats.outcome(ev.MessageID, ev.Role == "error", ev.OutboxIDs, storedAt(m))
 }
 
 // createConversations creates the run's conversations; Ctrl-C (ctx) or a failed relay (gctx)
@@ -564,12 +664,11 @@ func (d *demo) sendOne(ctx context.Context, pool *pgxpool.Pool, prod *producer.P
 		ID:             d.msgID(i),
 		Content:        fmt.Sprintf("demo message %d: hello, agent", i),
 	}
-	started := time.Now()
 	first, err := sendWithRetry(ctx, pool, prod, msg, d.log)
 	if err != nil {
 		return err
 	}
-	d.stats.sent(first.OutboxID, sendTimes{started: started, returned: time.Now()})
+	d.stats.sent(first.OutboxID, time.Now())
 	if i%demoRetryEvery != demoRetryEvery-1 {
 		return nil
 	}
@@ -612,8 +711,9 @@ func sendWithRetry(ctx context.Context, pool *pgxpool.Pool, prod *producer.Produ
 	}
 }
 
-// waitTail waits until every accepted message's event arrived, at most wait. It reports
-// whether they all did.
+// waitTail waits, at most wait, until every accepted message is in the turns stream and has
+// its outcome. It reports whether that happened. Unless interrupted, Ctrl-C (ctx) shortens
+// the wait to demoInterruptGrace from then.
 func (d *demo) waitTail(ctx, gctx context.Context, wait time.Duration, interrupted bool) bool {
 	deadline := time.NewTimer(wait)
 	defer deadline.Stop()
@@ -624,7 +724,7 @@ func (d *demo) waitTail(ctx, gctx context.Context, wait time.Duration, interrupt
 		done = nil
 	}
 	for {
-		if d.stats.snapshot().lost() == 0 {
+		if d.stats.snapshot().settled() {
 			return true
 		}
 		select {
@@ -655,8 +755,9 @@ func (d *demo) progress(start time.Time, stop <-chan struct{}) {
 	line := func() {
 		s := d.stats.snapshot()
 		secs := time.Since(start).Seconds()
-		text := fmt.Sprintf("progress: sent %d/%d, retried %d, relayed %d, waiting %d, %.0f msg/s, %.1fs",
-			s.sent, d.opts.messages, s.retries, s.relayed, s.lost(), float64(s.sent)/max(secs, 1e-3), secs)
+		text := fmt.Sprintf("progress: sent %d/%d, relayed %d, replied %d, failed %d, waiting %d, %.0f msg/s, %.1fs",
+			s.sent, d.opts.messages, s.received, s.replied, s.failed, s.unanswered(),
+			float64(s.sent)/max(secs, 1e-3), secs)
 		if d.tty {
 			pad := max(width-len(text), 0)
 			width = len(text)
@@ -679,49 +780,158 @@ func (d *demo) progress(start time.Time, stop <-chan struct{}) {
 	}
 }
 
+// demoDB is what the database says at the end of the run. A count of -1 could not be read.
+type demoDB struct {
+	outboxRows int64 // agent_outbox rows of this run
+	// dbReplies rows answered by a reply, and the p50 / p99 of agent_runs.finished_at −
+	// agent_outbox.created_at over them.
+	dbReplies    int64
+	dbP50, dbP99 time.Duration
+	workerTurns  []workerTurns
+	lookups      int64 // lookup operations of this run's turns
+}
+
+// workerTurns is how many runs (attempts included) a worker made for this run's conversations.
+type workerTurns struct {
+	name string
+	runs int64
+}
+
+// queryDB reads the run's rows back: outbox rows (no second row for a retry), the
+// database-side commit→reply latency, the turns per worker and the recorded operations. A
+// failed query leaves its figure unknown.
+func (d *demo) queryDB(ctx context.Context, pool *pgxpool.Pool) demoDB {
+	db := demoDB{outboxRows: -1, dbReplies: -1, lookups: -1}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM agent_outbox WHERE starts_with(message_id, $1)`,
+		d.msgPrefix()).Scan(&db.outboxRows); err != nil {
+		d.log.Warn("count the demo's outbox rows", "error", err)
+		db.outboxRows = -1
+	}
+	// created_at is set in the sending transaction (its start); finished_at in the worker's
+	// final commit (clock time, just before it commits).
+	var p50, p99 float64
+	if err := pool.QueryRow(ctx, `SELECT count(*),
+			coalesce(percentile_disc(0.5) WITHIN GROUP (ORDER BY s), 0),
+			coalesce(percentile_disc(0.99) WITHIN GROUP (ORDER BY s), 0)
+		FROM (SELECT extract(epoch FROM r.finished_at - o.created_at)::float8 AS s
+			FROM agent_outbox o JOIN agent_runs r ON r.run_id = o.run_id
+			WHERE starts_with(o.message_id, $1) AND o.status = 'done' AND r.finished_at IS NOT NULL) l`,
+		d.msgPrefix()).Scan(&db.dbReplies, &p50, &p99); err != nil {
+		d.log.Warn("database-side latency", "error", err)
+		db.dbReplies = -1
+	}
+	db.dbP50 = time.Duration(p50 * float64(time.Second))
+	db.dbP99 = time.Duration(p99 * float64(time.Second))
+	rows, err := pool.Query(ctx, `SELECT worker, count(*) FROM agent_runs WHERE starts_with(conversation_id, $1)
+		GROUP BY worker ORDER BY worker`, d.convPrefix())
+	if err == nil {
+		db.workerTurns, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (workerTurns, error) {
+			var w workerTurns
+			err := row.Scan(&w.name, &w.runs)
+			return w, err
+		})
+	}
+	if err != nil {
+		d.log.Warn("count the workers' turns", "error", err)
+		db.workerTurns = nil
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM operations WHERE starts_with(conversation_id, $1) AND tool = 'lookup'`,
+		d.convPrefix()).Scan(&db.lookups); err != nil {
+		d.log.Warn("count the demo's operations", "error", err)
+		db.lookups = -1
+	}
+	return db
+}
+
 func (d *demo) printSummary(res demoResult) {
 	s := res.snap
 	switch {
 	case res.interrupted && s.sent < d.opts.messages:
 		d.printf("interrupted: stopped sending after %d of %d messages\n", s.sent, d.opts.messages)
 	case res.interrupted:
-		d.printf("interrupted while waiting for the stream\n")
+		d.printf("interrupted while waiting for the outcomes\n")
 	}
 	d.printf("summary:\n")
 	d.printf("  sent: %d messages to %d conversations in %.1fs (%.0f msg/s)\n",
 		s.sent, d.opts.conversations, res.sendTime.Seconds(), float64(s.sent)/max(res.sendTime.Seconds(), 1e-3))
 	d.printf("  retries accepted as duplicates: %d of %d (same id sent again: AlreadyAccepted, same outbox id)\n",
 		s.retries-s.retryBad, s.retries)
-	if res.outboxRows >= 0 {
-		d.printf("  outbox rows: %d for %d accepted messages (no second row for a retry)\n", res.outboxRows, s.sent)
+	if res.db.outboxRows >= 0 {
+		d.printf("  outbox rows: %d for %d accepted messages (no second row for a retry)\n", res.db.outboxRows, s.sent)
 	}
-	d.printf("  relayed: %d distinct outbox ids in stream %s\n", s.relayed, d.stream)
-	if s.unknown() > 0 {
-		d.printf("  events for messages no sender saw accepted: %d\n", s.unknown())
+	d.printf("  relayed: %d of %d accepted messages in stream %s\n", s.received, s.sent, d.stream)
+	if n := s.relayed - s.received; n > 0 {
+		d.printf("  turn events for messages no sender saw accepted: %d\n", n)
 	}
-	d.printf("  duplicates in stream: %d\n", s.streamDups)
-	if res.interrupted && s.lost() > 0 {
-		d.printf("  lost: %d (interrupted: committed in Postgres, not yet in the stream when the demo stopped)\n", s.lost())
-	} else {
-		d.printf("  lost: %d\n", s.lost())
+	d.printf("  replied: %d (answered by an assistant reply in stream %s)\n", s.replied, d.outcomes)
+	failed := "an error message in the conversation"
+	if d.opts.failEvery > 0 {
+		failed += fmt.Sprintf(", after %d attempts; --fail-every %d", demoMaxAttempts, d.opts.failEvery)
 	}
-	if l := res.latency; len(l.fromReturn) > 0 {
-		d.printf("  commit→stored latency: p50 %s, p99 %s, max %s (from Send returning to the JetStream store "+
-			"timestamp; %d of %d events were stored before Send returned and count as 0)\n",
-			fmtLatency(percentile(l.fromReturn, 50)), fmtLatency(percentile(l.fromReturn, 99)),
-			fmtLatency(l.fromReturn[len(l.fromReturn)-1]), l.early, len(l.fromReturn))
-		d.printf("  upper bound, from Send starting: p50 %s, p99 %s, max %s\n",
-			fmtLatency(percentile(l.fromStart, 50)), fmtLatency(percentile(l.fromStart, 99)),
-			fmtLatency(l.fromStart[len(l.fromStart)-1]))
+	d.printf("  failed visibly: %d (%s)\n", s.failed, failed)
+	if n := s.answeredUnknown(); n > 0 {
+		d.printf("  outcomes for messages no sender saw accepted: %d\n", n)
 	}
-	d.printf("  workers and replies: not in this demo yet; they come with the worker issue\n")
+	switch n := s.unanswered(); {
+	case res.interrupted:
+		d.printf("  lost: 0\n")
+		d.printf("  unfinished (interrupted): %d (accepted; no reply or failure yet when the demo stopped)\n", n)
+	case n > 0:
+		detail := "neither a reply nor a visible failure"
+		if res.tailTimeout {
+			detail += " within --tail-timeout"
+		}
+		if nr := s.notRelayed(); nr > 0 {
+			detail += fmt.Sprintf("; %d never reached the turns stream", nr)
+		}
+		d.printf("  lost: %d (%s)\n", n, detail)
+	default:
+		d.printf("  lost: 0\n")
+	}
+	d.printf("  duplicates: %d (%s)\n", s.duplicates(), s.duplicateDetail())
+	l := res.latency
+	if len(l.reply) > 0 {
+		d.printf("  commit→reply latency: p50 %s, p99 %s, max %s (from Send returning to the reply's JetStream "+
+			"store timestamp, over %d replied messages%s)\n",
+			fmtLatency(percentile(l.reply, 50)), fmtLatency(percentile(l.reply, 99)), fmtLatency(l.reply[len(l.reply)-1]),
+			len(l.reply), earlyNote(l.replyEarly))
+	}
+	if res.db.dbReplies > 0 {
+		d.printf("    database side: p50 %s, p99 %s (agent_runs.finished_at − agent_outbox.created_at, %d rows)\n",
+			fmtLatency(res.db.dbP50), fmtLatency(res.db.dbP99), res.db.dbReplies)
+	}
+	if len(l.relay) > 0 {
+		d.printf("  commit→relayed latency: p50 %s, p99 %s, max %s (from Send returning to the turn event's "+
+			"store timestamp%s)\n",
+			fmtLatency(percentile(l.relay, 50)), fmtLatency(percentile(l.relay, 99)), fmtLatency(l.relay[len(l.relay)-1]),
+			earlyNote(l.relayEarly))
+	}
+	if len(res.db.workerTurns) > 0 {
+		parts := make([]string, len(res.db.workerTurns))
+		for i, w := range res.db.workerTurns {
+			parts[i] = fmt.Sprintf("%s %d", w.name, w.runs)
+		}
+		ops := ""
+		if res.db.lookups >= 0 {
+			ops = fmt.Sprintf("; %d lookup operations recorded", res.db.lookups)
+		}
+		d.printf("  turns: %s (attempts included)%s\n", strings.Join(parts, ", "), ops)
+	}
 	if err := res.verdict(); err == nil {
 		if res.interrupted {
 			d.printf("result: OK so far (interrupted): nothing doubled\n")
 		} else {
-			d.printf("result: OK: every accepted message reached JetStream exactly once\n")
+			d.printf("result: OK: every accepted message reached JetStream once and got exactly one outcome\n")
 		}
 	}
+}
+
+// earlyNote mentions the events stored before Send returned, which count as 0.
+func earlyNote(n int) string {
+	if n == 0 {
+		return ""
+	}
+	return fmt.Sprintf("; %d stored before Send returned count as 0", n)
 }
 
 func fmtLatency(d time.Duration) string {
@@ -741,46 +951,82 @@ func percentile(sorted []time.Duration, p int) time.Duration {
 	return sorted[min(max(i-1, 0), len(sorted)-1)]
 }
 
-// demoStats is what the senders and the subscriber observed, safe for concurrent use.
+// demoStats is what the senders and the subscribers observed, safe for concurrent use.
 type demoStats struct {
-	mu         sync.Mutex
-	committed  map[int64]sendTimes // outbox id → when its Send started and returned
-	stored     map[int64]time.Time // outbox id → JetStream store timestamp of its first event
-	retries    int
-	retryBad   int
-	streamDups int
-	received   int // distinct outbox ids received that were also sent
+	mu        sync.Mutex
+	committed map[int64]time.Time  // outbox id → when its Send returned (the commit happened before)
+	stored    map[int64]time.Time  // outbox id → JetStream store timestamp of its turn event
+	answers   map[int64]demoAnswer // outbox id → the first outcome that answered it
+	outcomes  map[string]struct{}  // message ids of the outcomes seen
+	retries   int
+	retryBad  int
+	// Duplicates: turn events stored twice, outcomes stored twice, rows answered twice.
+	turnDups, outcomeDups, answeredTwice int
+	received                             int // accepted messages whose turn event arrived
+	replied, failed                      int // accepted messages answered by a reply, by a visible failure
+}
+
+// demoAnswer is the outcome that answered an outbox row.
+type demoAnswer struct {
+	failed bool      // a visible failure (role error), not a reply
+	stored time.Time // JetStream store timestamp of the outcome
 }
 
 // demoSnapshot is a consistent view of demoStats.
 type demoSnapshot struct {
-	sent                          int // distinct messages accepted (outbox ids known)
-	relayed                       int // distinct outbox ids of this run in the stream
-	received                      int // accepted messages whose event is in the stream
-	retries, retryBad, streamDups int
+	sent                                 int // distinct messages accepted (outbox ids known)
+	relayed                              int // distinct outbox ids of this run in the turns stream
+	received                             int // accepted messages whose turn event is in the stream
+	answered                             int // distinct outbox ids of this run answered by an outcome
+	replied, failed                      int // accepted messages answered by a reply, by a visible failure
+	retries, retryBad                    int
+	turnDups, outcomeDups, answeredTwice int
 }
 
-// lost is the number of accepted messages whose event has not arrived.
-func (s demoSnapshot) lost() int { return s.sent - s.received }
+// unanswered is the number of accepted messages with neither a reply nor a visible failure.
+func (s demoSnapshot) unanswered() int { return s.sent - s.replied - s.failed }
 
-// unknown is the number of this run's events whose message the senders never saw accepted.
-func (s demoSnapshot) unknown() int { return s.relayed - s.received }
+// notRelayed is the number of accepted messages whose turn event has not arrived.
+func (s demoSnapshot) notRelayed() int { return s.sent - s.received }
 
-// sendTimes brackets the commit of a message: it happened between started and returned.
-type sendTimes struct{ started, returned time.Time }
+// settled reports whether every accepted message is in the turns stream and answered.
+func (s demoSnapshot) settled() bool { return s.unanswered() == 0 && s.notRelayed() == 0 }
 
-func (s *demoStats) sent(outboxID int64, at sendTimes) {
+// answeredUnknown is the number of this run's answered rows whose message the senders never
+// saw accepted.
+func (s demoSnapshot) answeredUnknown() int { return s.answered - s.replied - s.failed }
+
+func (s demoSnapshot) duplicates() int { return s.turnDups + s.outcomeDups + s.answeredTwice }
+
+func (s demoSnapshot) duplicateDetail() string {
+	return fmt.Sprintf("turn events stored twice %d, outcomes stored twice %d, messages answered twice %d",
+		s.turnDups, s.outcomeDups, s.answeredTwice)
+}
+
+// sent records an accepted message; returned is when its Send returned.
+func (s *demoStats) sent(outboxID int64, returned time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.committed == nil {
-		s.committed = map[int64]sendTimes{}
+		s.committed = map[int64]time.Time{}
 	}
 	if _, ok := s.committed[outboxID]; ok {
 		return
 	}
-	s.committed[outboxID] = at
+	s.committed[outboxID] = returned
 	if _, ok := s.stored[outboxID]; ok { // the event arrived before Send returned
 		s.received++
+	}
+	if a, ok := s.answers[outboxID]; ok {
+		s.countAnswer(a)
+	}
+}
+
+func (s *demoStats) countAnswer(a demoAnswer) {
+	if a.failed {
+		s.failed++
+	} else {
+		s.replied++
 	}
 }
 
@@ -800,12 +1046,40 @@ func (s *demoStats) relayed(outboxID int64, stored time.Time) {
 		s.stored = map[int64]time.Time{}
 	}
 	if _, ok := s.stored[outboxID]; ok {
-		s.streamDups++
+		s.turnDups++
 		return
 	}
 	s.stored[outboxID] = stored
 	if _, ok := s.committed[outboxID]; ok {
 		s.received++
+	}
+}
+
+// outcome records an outcome (message messageID) answering the rows outboxIDs. An outcome seen
+// again is a duplicate in the stream and counts once; a row answered by a second outcome is a
+// message answered twice.
+func (s *demoStats) outcome(messageID string, failed bool, outboxIDs []int64, stored time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.outcomes == nil {
+		s.outcomes = map[string]struct{}{}
+		s.answers = map[int64]demoAnswer{}
+	}
+	if _, ok := s.outcomes[messageID]; ok {
+		s.outcomeDups++
+		return
+	}
+	s.outcomes[messageID] = struct{}{}
+	a := demoAnswer{failed: failed, stored: stored}
+	for _, id := range outboxIDs {
+		if _, ok := s.answers[id]; ok {
+			s.answeredTwice++
+			continue
+		}
+		s.answers[id] = a
+		if _, ok := s.committed[id]; ok {
+			s.countAnswer(a)
+		}
 	}
 }
 
@@ -817,16 +1091,17 @@ func (s *demoStats) snapshot() demoSnapshot {
 
 func (s *demoStats) snapshotLocked() demoSnapshot {
 	return demoSnapshot{sent: len(s.committed), relayed: len(s.stored), received: s.received,
-		retries: s.retries, retryBad: s.retryBad, streamDups: s.streamDups}
+		answered: len(s.answers), replied: s.replied, failed: s.failed,
+		retries: s.retries, retryBad: s.retryBad,
+		turnDups: s.turnDups, outcomeDups: s.outcomeDups, answeredTwice: s.answeredTwice}
 }
 
-// demoLatency is the commit→stored latency of the accepted messages whose event arrived. The
-// commit happens inside Send, so it is measured from both ends of the call: from Send
-// returning (what the application knows; an event stored before that counts as zero) and, as
-// an upper bound, from Send starting.
+// demoLatency holds the latencies of the accepted messages, measured from Send returning (what
+// the application knows: the commit happened inside Send) to a JetStream store timestamp. An
+// event stored before Send returned counts as zero.
 type demoLatency struct {
-	fromReturn, fromStart []time.Duration // sorted
-	early                 int             // events stored before Send returned
+	relay, reply           []time.Duration // to the turn event, to the reply; sorted
+	relayEarly, replyEarly int             // stored before Send returned
 }
 
 // final returns the snapshot and the latencies.
@@ -834,20 +1109,23 @@ func (s *demoStats) final() (demoSnapshot, demoLatency) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var l demoLatency
-	for id, c := range s.committed {
-		st, ok := s.stored[id]
-		if !ok {
-			continue
-		}
-		d := st.Sub(c.returned)
+	since := func(at, returned time.Time, early *int) time.Duration {
+		d := at.Sub(returned)
 		if d < 0 {
-			l.early++
+			*early++
 			d = 0
 		}
-		l.fromReturn = append(l.fromReturn, d)
-		l.fromStart = append(l.fromStart, max(st.Sub(c.started), 0))
+		return d
 	}
-	slices.Sort(l.fromReturn)
-	slices.Sort(l.fromStart)
+	for id, c := range s.committed {
+		if st, ok := s.stored[id]; ok {
+			l.relay = append(l.relay, since(st, c, &l.relayEarly))
+		}
+		if a, ok := s.answers[id]; ok && !a.failed {
+			l.reply = append(l.reply, since(a.stored, c, &l.replyEarly))
+		}
+	}
+	slices.Sort(l.relay)
+	slices.Sort(l.reply)
 	return s.snapshotLocked(), l
 }

@@ -12,6 +12,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -164,19 +165,27 @@ func TestDemoRunsAndCleansUp(t *testing.T) {
 	out := p.output()
 	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", out, p.stderr.String())
 	for _, want := range []string{
+		"workers demo-worker-1 and demo-worker-2 consuming AGENT_TURNS",
+		"outcome subscriber reading AGENT_OUTCOMES",
 		"sent: 300 messages to 20 conversations",
 		"retries accepted as duplicates: 15 of 15",
 		"outbox rows: 300 for 300 accepted messages",
-		"relayed: 300 distinct outbox ids in stream AGENT_TURNS\n",
-		"duplicates in stream: 0\n",
+		"relayed: 300 of 300 accepted messages in stream AGENT_TURNS\n",
+		"replied: 300 (answered by an assistant reply in stream AGENT_OUTCOMES)\n",
+		"failed visibly: 0 (",
 		"lost: 0\n",
-		"commit→stored latency: p50 ",
-		"workers and replies: not in this demo yet",
-		"result: OK",
+		"duplicates: 0 (turn events stored twice 0, outcomes stored twice 0, messages answered twice 0)\n",
+		"commit→reply latency: p50 ",
+		"over 300 replied messages",
+		"database side: p50 ",
+		"turns: demo-worker-",
+		"result: OK: every accepted message reached JetStream once and got exactly one outcome",
 	} {
 		require.Contains(t, out, want)
 	}
+	require.Regexp(t, `; [1-9][0-9]* lookup operations recorded\n`, out)
 	require.NotContains(t, out, "interrupted")
+	require.NotContains(t, out, "unfinished")
 	p.requireCleanedUp(t)
 }
 
@@ -198,8 +207,9 @@ func TestDemoStopsCleanlyOnInterrupt(t *testing.T) {
 	t.Logf("exited %s after SIGINT", time.Since(start).Round(time.Millisecond))
 	for _, want := range []string{
 		"interrupted: stopped sending after ",
-		"duplicates in stream: 0\n",
-		"lost: 0\n", // the relay keeps up at 200 msg/s, and gets a grace period to finish
+		"duplicates: 0 (",
+		"lost: 0\n",
+		"unfinished (interrupted): ",
 		"result: OK so far (interrupted)",
 	} {
 		require.Contains(t, out, want)
@@ -209,26 +219,82 @@ func TestDemoStopsCleanlyOnInterrupt(t *testing.T) {
 }
 
 // TestDemoWithGivenServers runs the demo in this process against servers it did not start,
-// twice: the second run finds the slot and a stream holding the first run's events, and counts
-// only its own.
+// twice: the second run finds the slot, the workers' durable consumer and streams holding the
+// first run's events, and counts only its own.
 func TestDemoWithGivenServers(t *testing.T) {
 	t.Parallel()
 	db := testsvc.NewDatabase(t)
 	ns := testsvc.StartNATS(t)
 	for range 2 {
+		// A prefix of its own: with BATON_TEST_NATS_URL the server is shared, and workers of
+		// another test's database must not take this one's turn events.
 		r := runBaton(t, "demo", "--database-url", db.URL, "--nats-url", ns.URL(), "--slot", db.Name,
-			"--messages", "200", "--conversations", "5", "--rate", "0")
+			"--subject-prefix", db.Name, "--messages", "200", "--conversations", "5", "--rate", "0")
 		require.Equal(t, 0, r.code, "stdout:\n%s\nstderr:\n%s", r.stdout, r.stderr)
 		require.Contains(t, r.stdout, "using the PostgreSQL at")
 		require.Contains(t, r.stdout, "using the NATS server at")
-		require.Contains(t, r.stdout, "relayed: 200 distinct outbox ids")
+		require.Contains(t, r.stdout, "relayed: 200 of 200 accepted messages")
 		require.Contains(t, r.stdout, "outbox rows: 200 for 200 accepted messages")
+		require.Contains(t, r.stdout, "replied: 200 (")
 		require.Contains(t, r.stdout, "lost: 0\n")
+		require.Contains(t, r.stdout, "duplicates: 0 (")
 	}
-	var rows int
+	var rows, done int
 	require.NoError(t, db.Pool.QueryRow(context.Background(),
-		`SELECT count(*) FROM agent_outbox WHERE message_id LIKE 'demo-%'`).Scan(&rows))
+		`SELECT count(*), count(*) FILTER (WHERE status = 'done') FROM agent_outbox WHERE message_id LIKE 'demo-%'`).Scan(&rows, &done))
 	require.Equal(t, 400, rows)
+	require.Equal(t, 400, done)
+}
+
+// TestDemoFailEvery makes every turn of every 5th conversation fail: those messages end as
+// visible failures, the others as replies, none lost.
+func TestDemoFailEvery(t *testing.T) {
+	t.Parallel()
+	db := testsvc.NewDatabase(t)
+	ns := testsvc.StartNATS(t)
+	r := runBaton(t, "demo", "--database-url", db.URL, "--nats-url", ns.URL(), "--slot", db.Name,
+		"--subject-prefix", db.Name, "--messages", "200", "--conversations", "10", "--rate", "0", "--fail-every", "5")
+	require.Equal(t, 0, r.code, "stdout:\n%s\nstderr:\n%s", r.stdout, r.stderr)
+	// Conversations 4 and 9 of 0..9 fail: the messages i with i%10 in {4, 9}.
+	for _, want := range []string{
+		"every turn of every 5th conversation fails on purpose",
+		"relayed: 200 of 200 accepted messages",
+		"replied: 160 (",
+		"failed visibly: 40 (an error message in the conversation, after 2 attempts; --fail-every 5)\n",
+		"lost: 0\n",
+		"duplicates: 0 (",
+		"result: OK",
+	} {
+		require.Contains(t, r.stdout, want)
+	}
+
+	ctx := context.Background()
+	// A row claimed together with an older row on its last attempt fails with it, so not every
+	// row shows 2 attempts; none shows more.
+	var errRows, errMsgs, failedConvs, maxAttempts int
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT conversation_id), max(attempts)
+		FROM agent_outbox WHERE status = 'error'`).Scan(&errRows, &failedConvs, &maxAttempts))
+	require.Equal(t, 40, errRows)
+	require.Equal(t, 2, failedConvs)
+	require.Equal(t, 2, maxAttempts)
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM messages WHERE role = 'error'
+		AND content LIKE '%--fail-every%'`).Scan(&errMsgs))
+	require.Positive(t, errMsgs)
+}
+
+func TestDemoAgentFails(t *testing.T) {
+	t.Parallel()
+	a := demoAgent{failEvery: 3, convPrefix: "demo-x-c"}
+	var failing []int
+	for i := range 10 {
+		if a.fails("demo-x-c" + strconv.Itoa(i)) {
+			failing = append(failing, i)
+		}
+	}
+	require.Equal(t, []int{2, 5, 8}, failing)
+	require.False(t, a.fails("other-c2"), "conversations that are not the demo's never fail")
+	require.False(t, a.fails("demo-x-cx"))
+	require.False(t, (&demoAgent{convPrefix: "demo-x-c"}).fails("demo-x-c2"))
 }
 
 func TestDemoUsageErrors(t *testing.T) {
@@ -241,6 +307,8 @@ func TestDemoUsageErrors(t *testing.T) {
 		{[]string{"demo", "--conversations", "0"}, "--conversations must be at least 1"},
 		{[]string{"demo", "--rate", "-1"}, "--rate must not be negative"},
 		{[]string{"demo", "--tail-timeout", "0s"}, "--tail-timeout must be positive"},
+		{[]string{"demo", "--model-latency", "-1s"}, "--model-latency must not be negative"},
+		{[]string{"demo", "--fail-every", "-1"}, "--fail-every must not be negative"},
 		{[]string{"demo", "extra"}, `unexpected argument "extra"`},
 	} {
 		r := runBaton(t, tt.args...)
@@ -251,7 +319,8 @@ func TestDemoUsageErrors(t *testing.T) {
 
 	r := runBaton(t, "help", "demo")
 	require.Equal(t, 0, r.code)
-	for _, flag := range []string{"-messages", "-conversations", "-rate", "-tail-timeout", "-database-url", "-log-level"} {
+	for _, flag := range []string{"-messages", "-conversations", "-rate", "-tail-timeout", "-model-latency",
+		"-fail-every", "-database-url", "-log-level"} {
 		require.Contains(t, r.stdout, flag)
 	}
 	require.Contains(t, r.stdout, "WRITES TO THAT DATABASE")
@@ -270,24 +339,61 @@ func TestDemoNoPostgresError(t *testing.T) {
 
 func TestDemoVerdict(t *testing.T) {
 	t.Parallel()
-	ok := demoResult{outboxRows: 10, snap: demoSnapshot{sent: 10, relayed: 10, received: 10, retries: 1}}
-	require.NoError(t, ok.verdict())
+	ok := demoResult{db: demoDB{outboxRows: 10},
+		snap: demoSnapshot{sent: 10, relayed: 10, received: 10, answered: 10, replied: 8, failed: 2, retries: 1}}
+	require.NoError(t, ok.verdict(), "visible failures are outcomes, not losses")
 
 	lost := ok
-	lost.snap.received, lost.snap.relayed, lost.tailTimeout = 8, 8, true
-	require.EqualError(t, lost.verdict(), "FAILED: 2 of 10 accepted messages did not reach the stream within --tail-timeout")
+	lost.snap.received, lost.snap.relayed, lost.snap.replied, lost.tailTimeout = 9, 9, 6, true
+	require.EqualError(t, lost.verdict(), "FAILED: 2 of 10 accepted messages got neither a reply nor a visible failure "+
+		"within --tail-timeout; 1 of 10 accepted messages never reached the turns stream")
 	lost.interrupted = true
 	require.NoError(t, lost.verdict(), "an interrupted demo has not lost what it did not wait for")
 
 	doubled := ok
 	doubled.interrupted = true
-	doubled.snap.streamDups, doubled.snap.retryBad, doubled.outboxRows = 1, 1, 11
-	require.EqualError(t, doubled.verdict(), "FAILED: 1 duplicate events in the stream; "+
-		"1 retries were not recognised as duplicates; 11 outbox rows for 10 accepted messages")
+	doubled.snap.turnDups, doubled.snap.answeredTwice, doubled.snap.retryBad, doubled.db.outboxRows = 1, 2, 1, 11
+	require.EqualError(t, doubled.verdict(), "FAILED: 3 duplicates (turn events stored twice 1, outcomes stored twice 0, "+
+		"messages answered twice 2); 1 retries were not recognised as duplicates; 11 outbox rows for 10 accepted messages")
 
 	uncounted := ok
-	uncounted.outboxRows = -1
+	uncounted.db.outboxRows = -1
 	require.NoError(t, uncounted.verdict())
+}
+
+// TestDemoStats feeds the counters the way the senders and subscribers do, in racy orders.
+func TestDemoStats(t *testing.T) {
+	t.Parallel()
+	var s demoStats
+	t0 := time.Now()
+	s.sent(1, t0)
+	s.sent(2, t0)
+	s.relayed(1, t0.Add(time.Millisecond))
+	s.relayed(3, t0.Add(-time.Millisecond)) // before its Send returned
+	s.relayed(1, t0.Add(2*time.Millisecond))
+	s.outcome("reply:a", false, []int64{1, 3}, t0.Add(10*time.Millisecond))
+	s.outcome("reply:a", false, []int64{1, 3}, t0.Add(11*time.Millisecond)) // stored twice
+	s.outcome("error:b", true, []int64{3}, t0.Add(12*time.Millisecond))     // row 3 answered twice
+	snap := s.snapshot()
+	require.Equal(t, 2, snap.sent)
+	require.Equal(t, 1, snap.received)
+	require.Equal(t, 1, snap.replied)
+	require.Equal(t, 1, snap.unanswered())
+	require.False(t, snap.settled())
+	require.Equal(t, 1, snap.answeredUnknown(), "row 3 was answered before its Send returned")
+
+	s.sent(3, t0.Add(20*time.Millisecond))
+	s.relayed(2, t0.Add(time.Millisecond))
+	s.outcome("reply:c", false, []int64{2}, t0.Add(5*time.Millisecond))
+	snap, l := s.final()
+	require.Equal(t, demoSnapshot{sent: 3, relayed: 3, received: 3, answered: 3, replied: 3,
+		turnDups: 1, outcomeDups: 1, answeredTwice: 1}, snap)
+	require.True(t, snap.settled())
+	require.Equal(t, 3, snap.duplicates())
+	require.Equal(t, []time.Duration{0, time.Millisecond, time.Millisecond}, l.relay)
+	require.Equal(t, 1, l.relayEarly)
+	require.Equal(t, []time.Duration{0, 5 * time.Millisecond, 10 * time.Millisecond}, l.reply)
+	require.Equal(t, 1, l.replyEarly)
 }
 
 func TestPercentile(t *testing.T) {
