@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -45,7 +46,7 @@ type decoder struct {
 	prefix     string
 	maxPayload int
 
-	relations map[uint32]*pglogrepl.RelationMessage
+	relations map[uint32]*relation
 	// answers maps a reply's message id to the outbox ids it answers, for the current
 	// transaction (see AnswersPrefix).
 	answers map[string][]int64
@@ -56,7 +57,7 @@ func newDecoder(schema, prefix string, maxPayload int) *decoder {
 		schema:     schema,
 		prefix:     prefix,
 		maxPayload: maxPayload,
-		relations:  map[uint32]*pglogrepl.RelationMessage{},
+		relations:  map[uint32]*relation{},
 	}
 }
 
@@ -67,7 +68,7 @@ func (d *decoder) decode(walData []byte) (item, error) {
 	}
 	switch m := msg.(type) {
 	case *pglogrepl.RelationMessage:
-		d.relations[m.RelationID] = m
+		d.relations[m.RelationID] = newRelation(m, d.schema)
 	case *pglogrepl.BeginMessage:
 		d.answers = nil
 		return item{kind: itemBegin, lsn: m.FinalLSN, commitTime: m.CommitTime}, nil
@@ -97,38 +98,105 @@ func (d *decoder) decode(walData []byte) (item, error) {
 	return item{}, nil
 }
 
+// relation is a cached relation message with the positions of the columns the relay reads,
+// resolved once per relation message instead of once per row.
+type relation struct {
+	msg  *pglogrepl.RelationMessage
+	kind string         // tableOutbox, tableMessages, or "" for a table we do not publish
+	pos  map[string]int // column name → position, for the columns of kind
+}
+
+func newRelation(m *pglogrepl.RelationMessage, schema string) *relation {
+	r := &relation{msg: m, pos: map[string]int{}}
+	if m.Namespace != schema || (m.RelationName != tableOutbox && m.RelationName != tableMessages) {
+		return r
+	}
+	r.kind = m.RelationName
+	for i, c := range m.Columns {
+		r.pos[c.Name] = i
+	}
+	return r
+}
+
+// value returns the text of column name in tuple; NULL and a missing column are "".
+func (r *relation) value(t *pglogrepl.TupleData, name string) (string, error) {
+	i, ok := r.pos[name]
+	if !ok || i >= len(t.Columns) {
+		return "", fmt.Errorf("%s.%s has no column %s", r.msg.Namespace, r.msg.RelationName, name)
+	}
+	switch c := t.Columns[i]; c.DataType {
+	case 't':
+		return string(c.Data), nil
+	case 'n':
+		return "", nil
+	default:
+		return "", fmt.Errorf("%s.%s column %s: unexpected tuple data type %q", r.msg.Namespace, r.msg.RelationName, name, c.DataType)
+	}
+}
+
 func (d *decoder) insert(m *pglogrepl.InsertMessage) (item, error) {
 	rel, ok := d.relations[m.RelationID]
 	if !ok {
 		return item{}, fmt.Errorf("insert into relation %d before its relation message", m.RelationID)
 	}
-	if rel.Namespace != d.schema {
+	if rel.kind == "" {
 		return item{kind: itemIgnored}, nil
 	}
-	cols, err := columns(rel, m.Tuple)
-	if err != nil {
-		return item{}, err
+	if m.Tuple == nil || len(m.Tuple.Columns) != len(rel.msg.Columns) {
+		return item{}, fmt.Errorf("%s.%s: tuple has %d columns, relation %d",
+			rel.msg.Namespace, rel.msg.RelationName, tupleLen(m.Tuple), len(rel.msg.Columns))
 	}
-	switch rel.RelationName {
+	col := func(name string, dst *string, err *error) {
+		if *err == nil {
+			*dst, *err = rel.value(m.Tuple, name)
+		}
+	}
+	var err error
+	var created string
+	switch rel.kind {
 	case tableOutbox:
-		row, err := outboxRow(cols)
+		var row TurnEvent
+		var id, attempts string
+		col("id", &id, &err)
+		col("conversation_id", &row.ConversationID, &err)
+		col("message_id", &row.MessageID, &err)
+		col("status", &row.Status, &err)
+		col("attempts", &attempts, &err)
+		col("created_at", &created, &err)
 		if err != nil {
 			return item{}, err
+		}
+		if row.OutboxID, err = strconv.ParseInt(id, 10, 64); err != nil {
+			return item{}, fmt.Errorf("agent_outbox.id %q: %w", id, err)
+		}
+		if row.Attempts, err = strconv.Atoi(attempts); err != nil {
+			return item{}, fmt.Errorf("agent_outbox %d attempts %q: %w", row.OutboxID, attempts, err)
+		}
+		if row.CreatedAt, err = parseTimestamptz(created); err != nil {
+			return item{}, fmt.Errorf("agent_outbox %d created_at: %w", row.OutboxID, err)
 		}
 		msg, err := turnMsg(d.prefix, row)
 		if err != nil {
 			return item{}, err
 		}
 		return item{kind: itemEvent, msg: msg}, nil
-	case tableMessages:
-		ev, err := messageRow(cols)
-		if err != nil {
-			return item{}, err
-		}
-		if ev.Role == "user" {
+	default: // tableMessages
+		var ev OutcomeEvent
+		col("role", &ev.Role, &err)
+		if err == nil && ev.Role == "user" {
 			// The publication's row filter keeps these out; a publication without it must not
 			// turn user messages into outcomes.
 			return item{kind: itemIgnored}, nil
+		}
+		col("id", &ev.MessageID, &err)
+		col("conversation_id", &ev.ConversationID, &err)
+		col("content", &ev.Content, &err)
+		col("created_at", &created, &err)
+		if err != nil {
+			return item{}, err
+		}
+		if ev.CreatedAt, err = parseTimestamptz(created); err != nil {
+			return item{}, fmt.Errorf("message %q created_at: %w", ev.MessageID, err)
 		}
 		ev.OutboxIDs = d.answers[ev.MessageID]
 		msg, err := outcomeMsg(d.prefix, ev, d.maxPayload)
@@ -137,27 +205,6 @@ func (d *decoder) insert(m *pglogrepl.InsertMessage) (item, error) {
 		}
 		return item{kind: itemEvent, msg: msg, outcome: true}, nil
 	}
-	return item{kind: itemIgnored}, nil
-}
-
-// columns maps column names to text values; NULL is absent.
-func columns(rel *pglogrepl.RelationMessage, tuple *pglogrepl.TupleData) (map[string]string, error) {
-	if tuple == nil || len(tuple.Columns) != len(rel.Columns) {
-		return nil, fmt.Errorf("%s.%s: tuple has %d columns, relation %d",
-			rel.Namespace, rel.RelationName, tupleLen(tuple), len(rel.Columns))
-	}
-	out := make(map[string]string, len(rel.Columns))
-	for i, c := range tuple.Columns {
-		switch c.DataType {
-		case 't':
-			out[rel.Columns[i].Name] = string(c.Data)
-		case 'n':
-		default:
-			return nil, fmt.Errorf("%s.%s column %s: unexpected tuple data type %q",
-				rel.Namespace, rel.RelationName, rel.Columns[i].Name, c.DataType)
-		}
-	}
-	return out, nil
 }
 
 func tupleLen(t *pglogrepl.TupleData) int {
@@ -167,42 +214,21 @@ func tupleLen(t *pglogrepl.TupleData) int {
 	return len(t.Columns)
 }
 
-func outboxRow(c map[string]string) (TurnEvent, error) {
-	var row TurnEvent
-	var err error
-	if row.OutboxID, err = strconv.ParseInt(c["id"], 10, 64); err != nil {
-		return row, fmt.Errorf("agent_outbox.id %q: %w", c["id"], err)
-	}
-	row.ConversationID, row.MessageID, row.Status = c["conversation_id"], c["message_id"], c["status"]
-	if row.Attempts, err = strconv.Atoi(c["attempts"]); err != nil {
-		return row, fmt.Errorf("agent_outbox %d attempts %q: %w", row.OutboxID, c["attempts"], err)
-	}
-	if row.CreatedAt, err = parseTimestamptz(c["created_at"]); err != nil {
-		return row, fmt.Errorf("agent_outbox %d created_at: %w", row.OutboxID, err)
-	}
-	return row, nil
-}
-
-func messageRow(c map[string]string) (OutcomeEvent, error) {
-	ev := OutcomeEvent{MessageID: c["id"], ConversationID: c["conversation_id"], Role: c["role"], Content: c["content"]}
-	var err error
-	if ev.CreatedAt, err = parseTimestamptz(c["created_at"]); err != nil {
-		return ev, fmt.Errorf("message %q created_at: %w", ev.MessageID, err)
-	}
-	return ev, nil
-}
-
 // parseTimestamptz parses timestamptz in Postgres' text output (DateStyle ISO), whatever the
-// session time zone's offset form (+00, +05:30, -03:30:12).
+// session time zone's offset form (+00, +05:30, -03:30:12). The relay's sessions use UTC.
 func parseTimestamptz(s string) (time.Time, error) {
-	for _, layout := range []string{
-		"2006-01-02 15:04:05.999999999-07",
-		"2006-01-02 15:04:05.999999999-07:00",
-		"2006-01-02 15:04:05.999999999-07:00:00",
-	} {
-		if t, err := time.Parse(layout, s); err == nil {
-			return t.UTC(), nil
+	layout := "2006-01-02 15:04:05.999999999-07"
+	if i := strings.LastIndexAny(s, "+-"); i > 10 {
+		switch len(s) - i {
+		case 6:
+			layout = "2006-01-02 15:04:05.999999999-07:00"
+		case 9:
+			layout = "2006-01-02 15:04:05.999999999-07:00:00"
 		}
 	}
-	return time.Time{}, fmt.Errorf("parse timestamptz %q", s)
+	t, err := time.Parse(layout, s)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("parse timestamptz %q: %w", s, err)
+	}
+	return t.UTC(), nil
 }
