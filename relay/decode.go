@@ -35,6 +35,7 @@ type item struct {
 	commitTime time.Time
 	msg        *nats.Msg
 	outcome    bool // the event is an outcome, not a turn
+	omitted    bool // an outcome published without its content
 }
 
 // decoder turns pgoutput messages (protocol version 1) into items. It is pure: no I/O.
@@ -203,7 +204,7 @@ func (d *decoder) insert(m *pglogrepl.InsertMessage) (item, error) {
 		if err != nil {
 			return item{}, err
 		}
-		return item{kind: itemEvent, msg: msg, outcome: true}, nil
+		return item{kind: itemEvent, msg: msg, outcome: true, omitted: msg.Header.Get(HeaderContentOmitted) != ""}, nil
 	}
 }
 

@@ -4,17 +4,18 @@ import "github.com/prometheus/client_golang/prometheus"
 
 // metrics are the relay's Prometheus collectors, all prefixed baton_relay_.
 type metrics struct {
-	events         *prometheus.CounterVec // kind: turn|outcome|ignored|backfill
-	omitted        prometheus.Counter
-	publishLatency prometheus.Histogram
-	commitToAck    prometheus.Histogram
-	confirmedLSN   prometheus.Gauge
-	slotLagBytes   prometheus.Gauge
-	inFlight       prometheus.Gauge
-	active         prometheus.Gauge
-	reconnects     prometheus.Counter
-	errors         *prometheus.CounterVec // stage: postgres|nats|publish|decode
-	slotLost       prometheus.Gauge
+	events                             *prometheus.CounterVec // kind: turn|outcome|ignored|backfill
+	turns, outcomes, backfill, ignored prometheus.Counter     // events' children, resolved once
+	omitted                            prometheus.Counter
+	publishLatency                     prometheus.Histogram
+	commitToAck                        prometheus.Histogram
+	confirmedLSN                       prometheus.Gauge
+	slotLagBytes                       prometheus.Gauge
+	inFlight                           prometheus.Gauge
+	active                             prometheus.Gauge
+	reconnects                         prometheus.Counter
+	errors                             *prometheus.CounterVec // stage: postgres|nats|publish|decode
+	slotLost                           prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -54,6 +55,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "baton_relay_slot_lost", Help: "1 when the slot was invalidated (wal_status lost): recreate it, see the README.",
 		}),
 	}
+	m.turns = m.events.WithLabelValues("turn")
+	m.outcomes = m.events.WithLabelValues("outcome")
+	m.backfill = m.events.WithLabelValues("backfill")
+	m.ignored = m.events.WithLabelValues("ignored")
 	if reg != nil {
 		reg.MustRegister(m.events, m.omitted, m.publishLatency, m.commitToAck, m.confirmedLSN,
 			m.slotLagBytes, m.inFlight, m.active, m.reconnects, m.errors, m.slotLost)

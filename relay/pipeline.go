@@ -26,16 +26,18 @@ import (
 //     confirmed only when it arrives outside a transaction with nothing before it unacknowledged.
 type pipeline struct {
 	js         jetstream.JetStream
-	send       func(msg *nats.Msg, stream string) error // PublishMsgAsync; tests replace it
-	stream     func(outcome bool) string
+	send       func(msg *nats.Msg) error // PublishMsgAsync; tests replace it
 	maxPending int
+	ackTimeout time.Duration
 	m          *metrics
 
-	in   chan item
+	in   chan []item // one slice per transaction (or per part of a large one)
 	acks chan ackResult
 	done chan struct{} // closed when run returns; late callbacks are dropped
 
-	subjects map[string]*subjectQueue
+	// subjects holds, for each subject with an event in flight, the events queued behind it.
+	// A subject is present while busy; its queue may be empty.
+	subjects map[string][]*pendingEvent
 	byMsg    map[*nats.Msg]*pendingEvent
 	txs      []*txEntry // FIFO of transactions not yet confirmed
 	cur      *txEntry   // the open transaction, nil between transactions
@@ -52,14 +54,11 @@ type ackResult struct {
 	err error
 }
 
-type subjectQueue struct {
-	queue []*pendingEvent
-}
-
 type pendingEvent struct {
 	msg     *nats.Msg
 	tx      *txEntry
 	outcome bool
+	omitted bool
 	sentAt  time.Time
 }
 
@@ -72,24 +71,20 @@ type txEntry struct {
 
 func newPipeline(nc *nats.Conn, cfg *Config, m *metrics, confirmed *atomic.Uint64) (*pipeline, error) {
 	p := &pipeline{
-		stream: func(outcome bool) string {
-			if outcome {
-				return cfg.OutcomesStream
-			}
-			return cfg.TurnsStream
-		},
 		maxPending: cfg.MaxInFlight,
+		ackTimeout: cfg.AckTimeout,
 		m:          m,
-		in:         make(chan item, 1024),
+		in:         make(chan []item, 4),
 		acks:       make(chan ackResult, cfg.MaxInFlight+16),
 		done:       make(chan struct{}),
-		subjects:   map[string]*subjectQueue{},
+		subjects:   map[string][]*pendingEvent{},
 		byMsg:      map[*nats.Msg]*pendingEvent{},
 		confirmed:  confirmed,
 	}
+	// No per-publish timeout option (it costs a timer per message): run checks the oldest
+	// unacknowledged event on a ticker instead.
 	js, err := jetstream.New(nc,
 		jetstream.WithPublishAsyncMaxPending(cfg.MaxInFlight+16),
-		jetstream.WithPublishAsyncTimeout(cfg.AckTimeout),
 		jetstream.WithPublishAsyncAckHandler(func(_ jetstream.JetStream, msg *nats.Msg, ack *jetstream.PubAck) {
 			p.deliverAck(ackResult{msg: msg, ack: ack})
 		}),
@@ -101,8 +96,8 @@ func newPipeline(nc *nats.Conn, cfg *Config, m *metrics, confirmed *atomic.Uint6
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
 	p.js = js
-	p.send = func(msg *nats.Msg, stream string) error {
-		_, err := js.PublishMsgAsync(msg, jetstream.WithExpectStream(stream))
+	p.send = func(msg *nats.Msg) error {
+		_, err := js.PublishMsgAsync(msg)
 		return err
 	}
 	return p, nil
@@ -133,6 +128,8 @@ func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Durati
 	}()
 	in := p.in
 	var drainTimer <-chan time.Time
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
 	for {
 		if in == nil && p.inFlight == 0 && p.queued == 0 {
 			return nil
@@ -142,16 +139,23 @@ func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Durati
 			recv = nil // backpressure: the reader blocks, so does the walsender
 		}
 		select {
-		case it, ok := <-recv:
+		case items, ok := <-recv:
 			if !ok {
 				in = nil
 				continue
 			}
-			if err := p.handle(it); err != nil {
-				return err
+			for _, it := range items {
+				if err := p.handle(it); err != nil {
+					return err
+				}
 			}
 		case a := <-p.acks:
 			if err := p.ack(a); err != nil {
+				return err
+			}
+		case now := <-tick.C:
+			p.m.inFlight.Set(float64(p.inFlight + p.queued))
+			if err := p.checkAckTimeout(now); err != nil {
 				return err
 			}
 		case <-graceful:
@@ -163,6 +167,18 @@ func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Durati
 			return nil
 		}
 	}
+}
+
+// checkAckTimeout fails the pipeline when an event waited longer than AckTimeout for its
+// PubAck: the session then restarts from the confirmed LSN.
+func (p *pipeline) checkAckTimeout(now time.Time) error {
+	for _, ev := range p.byMsg {
+		if now.Sub(ev.sentAt) > p.ackTimeout {
+			p.m.errors.WithLabelValues("publish").Inc()
+			return fmt.Errorf("publish %s on %s: no PubAck within %s", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject, p.ackTimeout)
+		}
+	}
+	return nil
 }
 
 func (p *pipeline) handle(it item) error {
@@ -192,20 +208,19 @@ func (p *pipeline) handle(it item) error {
 			return errors.New("event outside a transaction")
 		}
 		tx.pending++
-		ev := &pendingEvent{msg: it.msg, tx: tx, outcome: it.outcome}
+		ev := &pendingEvent{msg: it.msg, tx: tx, outcome: it.outcome, omitted: it.omitted}
 		if q, busy := p.subjects[it.msg.Subject]; busy {
-			q.queue = append(q.queue, ev)
+			p.subjects[it.msg.Subject] = append(q, ev)
 			p.queued++
 		} else {
-			p.subjects[it.msg.Subject] = &subjectQueue{}
+			p.subjects[it.msg.Subject] = nil
 			if err := p.publish(ev); err != nil {
 				return err
 			}
 		}
 	case itemIgnored:
-		p.m.events.WithLabelValues("ignored").Inc()
+		p.m.ignored.Inc()
 	}
-	p.m.inFlight.Set(float64(p.inFlight + p.queued))
 	return nil
 }
 
@@ -213,7 +228,7 @@ func (p *pipeline) publish(ev *pendingEvent) error {
 	ev.sentAt = time.Now()
 	p.byMsg[ev.msg] = ev
 	p.inFlight++
-	if err := p.send(ev.msg, p.stream(ev.outcome)); err != nil {
+	if err := p.send(ev.msg); err != nil {
 		p.m.errors.WithLabelValues("publish").Inc()
 		return fmt.Errorf("publish %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), err)
 	}
@@ -236,22 +251,21 @@ func (p *pipeline) ack(a ackResult) error {
 	p.m.publishLatency.Observe(now.Sub(ev.sentAt).Seconds())
 	switch {
 	case ev.tx.commitTime.IsZero():
-		p.m.events.WithLabelValues("backfill").Inc()
+		p.m.backfill.Inc()
 	case ev.outcome:
-		p.m.events.WithLabelValues("outcome").Inc()
+		p.m.outcomes.Inc()
 		p.m.commitToAck.Observe(now.Sub(ev.tx.commitTime).Seconds())
 	default:
-		p.m.events.WithLabelValues("turn").Inc()
+		p.m.turns.Inc()
 		p.m.commitToAck.Observe(now.Sub(ev.tx.commitTime).Seconds())
 	}
-	if ev.msg.Header.Get(HeaderContentOmitted) != "" {
+	if ev.omitted {
 		p.m.omitted.Inc()
 	}
-	q := p.subjects[ev.msg.Subject]
-	if len(q.queue) > 0 {
-		next := q.queue[0]
-		q.queue[0] = nil
-		q.queue = q.queue[1:]
+	if q := p.subjects[ev.msg.Subject]; len(q) > 0 {
+		next := q[0]
+		q[0] = nil
+		p.subjects[ev.msg.Subject] = q[1:]
 		p.queued--
 		if err := p.publish(next); err != nil {
 			return err
@@ -261,7 +275,6 @@ func (p *pipeline) ack(a ackResult) error {
 	}
 	ev.tx.pending--
 	p.advance()
-	p.m.inFlight.Set(float64(p.inFlight + p.queued))
 	return nil
 }
 
@@ -286,8 +299,8 @@ func (p *pipeline) confirm(lsn pglogrepl.LSN) {
 	}
 }
 
-// feed sends an item to run, giving up when stop is closed.
-func (p *pipeline) feed(ctx context.Context, it item) error {
+// feed sends items to run, giving up when ctx ends or run returned.
+func (p *pipeline) feed(ctx context.Context, it ...item) error {
 	select {
 	case p.in <- it:
 		return nil

@@ -23,15 +23,14 @@ func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
 	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}, MaxInFlight: maxPending}
 	require.NoError(t, cfg.fill())
 	p := &pipeline{
-		stream:     func(bool) string { return "S" },
 		maxPending: maxPending,
 		m:          newMetrics(nil),
-		subjects:   map[string]*subjectQueue{},
+		subjects:   map[string][]*pendingEvent{},
 		byMsg:      map[*nats.Msg]*pendingEvent{},
 		confirmed:  &confirmed,
 	}
 	f := &fakePipeline{pipeline: p}
-	p.send = func(msg *nats.Msg, _ string) error { f.sent = append(f.sent, msg); return nil }
+	p.send = func(msg *nats.Msg) error { f.sent = append(f.sent, msg); return nil }
 	return f
 }
 

@@ -265,6 +265,7 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 			return err
 		}
 		defer rows.Close()
+		batch := make([]item, 0, 256)
 		for rows.Next() {
 			var ev TurnEvent
 			if err := rows.Scan(&ev.OutboxID, &ev.ConversationID, &ev.MessageID, &ev.Status, &ev.Attempts, &ev.CreatedAt); err != nil {
@@ -275,12 +276,18 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 			if err != nil {
 				return err
 			}
-			if err := p.feed(gctx, item{kind: itemEvent, msg: msg}); err != nil {
-				return err
+			if batch = append(batch, item{kind: itemEvent, msg: msg}); len(batch) == cap(batch) {
+				if err := p.feed(gctx, batch...); err != nil {
+					return err
+				}
+				batch = make([]item, 0, 256)
 			}
 			n++
 		}
-		return rows.Err()
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		return p.feed(gctx, batch...)
 	})
 	if err := g.Wait(); err != nil {
 		return n, err
@@ -328,9 +335,18 @@ func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn) error {
 // read receives the replication stream, decodes it into p, and reports the confirmed LSN to
 // Postgres every StatusInterval and whenever the server asks. When ctx ends it stops reading,
 // waits for p to drain, and sends a last status before returning nil.
+//
+// It owns the replication connection: only this goroutine reads from or writes to it. Reads
+// wait with a network deadline at the next status time (set once per period, not per message),
+// and ending ctx or gctx moves that deadline to now.
 func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline) error {
 	cfg := &r.cfg
 	dec := newDecoder(cfg.Schema, cfg.SubjectPrefix, int(cfg.NATS.MaxPayload()))
+	netConn := repl.Conn()
+	wake := func() { _ = netConn.SetReadDeadline(time.Now()) }
+	defer context.AfterFunc(ctx, wake)()
+	defer context.AfterFunc(gctx, wake)()
+
 	sendStatus := func() error {
 		lsn := pglogrepl.LSN(r.confirmed.Load())
 		// Write, flush and apply all set explicitly: pglogrepl copies the write position into
@@ -343,38 +359,35 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 		}
 		return nil
 	}
-	finish := func() error {
-		close(p.in)
-		select {
-		case <-p.done:
-		case <-time.After(cfg.DrainTimeout + time.Second):
-		}
-		err := sendStatus()
-		cfg.Logger.Info("relay stopped", "lsn", r.Confirmed())
-		return err
-	}
-
-	nextStatus := time.Now().Add(cfg.StatusInterval)
-	deadline, cancel := context.WithDeadline(context.Background(), nextStatus)
-	defer func() { cancel() }()
+	nextStatus := time.Now()
 	statusDue := func() error {
 		if time.Now().Before(nextStatus) {
 			return nil
 		}
 		nextStatus = time.Now().Add(cfg.StatusInterval)
-		cancel()
-		deadline, cancel = context.WithDeadline(context.Background(), nextStatus)
+		if err := netConn.SetReadDeadline(nextStatus); err != nil {
+			return fmt.Errorf("set read deadline: %w", err)
+		}
 		return sendStatus()
 	}
-	// deliver hands an item to the pipeline, keeping status updates flowing while it waits.
-	deliver := func(it item) error {
+	// deliver hands a transaction's items to the pipeline, keeping status updates flowing
+	// while it waits (the pipeline blocks when MaxInFlight events are outstanding).
+	var batch []item
+	deliver := func() error {
+		if len(batch) == 0 {
+			return nil
+		}
 		for {
+			wait := time.NewTimer(time.Until(nextStatus))
 			select {
-			case p.in <- it:
+			case p.in <- batch:
+				wait.Stop()
+				batch = make([]item, 0, 8)
 				return nil
 			case <-gctx.Done():
+				wait.Stop()
 				return nil
-			case <-deadline.Done():
+			case <-wait.C:
 				if err := statusDue(); err != nil {
 					return err
 				}
@@ -384,7 +397,16 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 
 	for {
 		if ctx.Err() != nil {
-			return finish()
+			// Items of an unfinished transaction are dropped: it is replayed from the
+			// confirmed LSN, which never passes it.
+			close(p.in)
+			select {
+			case <-p.done:
+			case <-time.After(cfg.DrainTimeout + time.Second):
+			}
+			err := sendStatus()
+			cfg.Logger.Info("relay stopped", "lsn", r.Confirmed())
+			return err
 		}
 		if gctx.Err() != nil {
 			return nil // the pipeline failed; its error is the session's
@@ -392,7 +414,10 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 		if err := statusDue(); err != nil {
 			return err
 		}
-		raw, err := repl.ReceiveMessage(deadline)
+		if ctx.Err() != nil || gctx.Err() != nil {
+			continue // the deadline just set may have overwritten a wake-up
+		}
+		raw, err := repl.ReceiveMessage(context.Background())
 		if err != nil {
 			if pgconn.Timeout(err) {
 				continue
@@ -414,7 +439,8 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 				if c := r.confirmed.Load(); uint64(ka.ServerWALEnd) > c {
 					r.m.slotLagBytes.Set(float64(uint64(ka.ServerWALEnd) - c))
 				}
-				if err := deliver(item{kind: itemKeepalive, lsn: ka.ServerWALEnd}); err != nil {
+				batch = append(batch, item{kind: itemKeepalive, lsn: ka.ServerWALEnd})
+				if err := deliver(); err != nil {
 					return err
 				}
 				if ka.ReplyRequested {
@@ -435,8 +461,12 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 				if it.kind == itemNone {
 					continue
 				}
-				if err := deliver(it); err != nil {
-					return err
+				batch = append(batch, it)
+				// One hand-off per transaction, and at least every 256 events of a large one.
+				if it.kind == itemCommit || len(batch) >= 256 {
+					if err := deliver(); err != nil {
+						return err
+					}
 				}
 			}
 		case *pgproto3.ErrorResponse:
