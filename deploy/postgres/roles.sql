@@ -1,0 +1,145 @@
+-- Least-privilege roles for Baton.
+--
+--   baton_migrator  owns Baton's tables, function and publication; runs `baton migrate`.
+--   baton_app       your application (the producer): creates conversations, inserts user
+--                   messages and their outbox rows with the default queue fields, reads state.
+--   baton_relay     `baton relay`: REPLICATION, reads the outbox, records its slots.
+--   baton_worker    agent workers (the consumer package): claims, leases and final commits.
+--
+-- Run it as a superuser (or as the database owner with CREATEROLE and REPLICATION, who is also a
+-- member of baton_migrator once the schema is owned by it), connected to the Baton database:
+--
+--   psql -v ON_ERROR_STOP=1 -d baton -f deploy/postgres/roles.sql
+--
+-- It is safe to run again, and must be run again after every `baton migrate` that adds tables:
+-- roles are created when missing, and every table's privileges are reset to exactly what is
+-- granted here. Run on a database without Baton's schema, it creates the roles and the schema
+-- privileges the migrator needs and stops there (first install: roles.sql, `baton migrate` as
+-- baton_migrator, roles.sql again). Run after `baton migrate` was applied by another role (a
+-- superuser, say), it hands the schema's ownership to baton_migrator.
+--
+-- Passwords are never set here. Set them separately, from your secret store:
+--
+--   ALTER ROLE baton_relay PASSWORD '...';     -- or, in psql: \password baton_relay
+--
+-- The roles log in directly. The app and worker roles may instead be granted to users of your
+-- own (GRANT baton_app TO myapp;), whose privileges are then inherited; REPLICATION is never
+-- inherited, so the relay must log in as baton_relay (or as another role WITH REPLICATION).
+-- Managed services: where REPLICATION cannot be granted, use the provider's role for it
+-- (Amazon RDS: GRANT rds_replication TO baton_relay; Cloud SQL: ALTER ROLE ... WITH REPLICATION
+-- as cloudsqlsuperuser, with cloudsql.logical_decoding on).
+--
+-- Notes on what each role needs:
+--   * agent_outbox.id and operations.id are identity columns: inserting needs no privilege on
+--     their sequences.
+--   * SELECT ... FOR NO KEY UPDATE (the worker's conversation claim lock) needs UPDATE on a
+--     column of conversations, which the worker has for its metadata columns anyway.
+--   * pg_logical_emit_message (the worker's final commit names the answered outbox rows in the
+--     WAL with it) is executable by every role by default and needs no REPLICATION. If your
+--     cluster revoked it from PUBLIC, grant it to baton_worker.
+--   * The relay reads pg_replication_slots and pg_publication*, takes an advisory lock and
+--     creates its slot over a replication connection: REPLICATION and CONNECT are all it needs
+--     for that. Replication connections to a database match `all` lines in pg_hba.conf.
+--   * Column privileges make the app's queue fields unwritable: an INSERT naming status,
+--     attempts, run_id or any other queue column fails with SQLSTATE 42501.
+--   * Roles cannot restrict values: baton_app may insert a message with role 'assistant'.
+--     If the application is not trusted with that, put a row-level security policy on messages.
+
+-- Roles, created when missing.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'baton_migrator') THEN
+        CREATE ROLE baton_migrator LOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'baton_app') THEN
+        CREATE ROLE baton_app LOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'baton_relay') THEN
+        CREATE ROLE baton_relay LOGIN REPLICATION;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'baton_worker') THEN
+        CREATE ROLE baton_worker LOGIN;
+    END IF;
+END
+$$;
+
+-- The relay's one role attribute; set again in case the role existed without it.
+ALTER ROLE baton_relay WITH LOGIN REPLICATION;
+
+-- The database and the schema. CREATE on the database lets the migrator create and own the
+-- publication; CREATE on the schema lets it create tables.
+DO $$
+BEGIN
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO baton_migrator, baton_app, baton_relay, baton_worker',
+                   current_database());
+    EXECUTE format('GRANT CREATE ON DATABASE %I TO baton_migrator', current_database());
+END
+$$;
+GRANT USAGE, CREATE ON SCHEMA public TO baton_migrator;
+GRANT USAGE ON SCHEMA public TO baton_app, baton_relay, baton_worker;
+
+-- Ownership and table privileges, once `baton migrate` created the schema.
+DO $$
+DECLARE
+    missing text;
+BEGIN
+    IF to_regclass('public.agent_outbox') IS NULL THEN
+        RAISE NOTICE 'Baton schema not found in database %: run `baton migrate` as baton_migrator, then run this file again',
+            current_database();
+        RETURN;
+    END IF;
+    SELECT string_agg(t, ', ') INTO missing
+    FROM unnest(ARRAY['conversations', 'messages', 'agent_outbox', 'operations', 'agent_runs',
+                      'baton_relay_slots', 'baton_schema_migrations']) AS t
+    WHERE to_regclass('public.' || t) IS NULL;
+    IF missing IS NOT NULL THEN
+        RAISE EXCEPTION 'Baton schema in database % is incomplete (missing %): run `baton migrate` first',
+            current_database(), missing;
+    END IF;
+
+    -- The migrator owns everything Baton's migrations create (a no-op when it created them).
+    -- Identity sequences follow their tables.
+    ALTER TABLE public.conversations OWNER TO baton_migrator;
+    ALTER TABLE public.messages OWNER TO baton_migrator;
+    ALTER TABLE public.agent_outbox OWNER TO baton_migrator;
+    ALTER TABLE public.operations OWNER TO baton_migrator;
+    ALTER TABLE public.agent_runs OWNER TO baton_migrator;
+    ALTER TABLE public.baton_relay_slots OWNER TO baton_migrator;
+    ALTER TABLE public.baton_schema_migrations OWNER TO baton_migrator;
+    ALTER FUNCTION public.baton_fence(boolean, text) OWNER TO baton_migrator;
+    ALTER PUBLICATION baton OWNER TO baton_migrator;
+
+    -- Start from nothing, so running this file again converges on what it grants. Revoking a
+    -- table's privileges also revokes its column privileges.
+    REVOKE ALL ON public.conversations, public.messages, public.agent_outbox, public.operations,
+        public.agent_runs, public.baton_relay_slots, public.baton_schema_migrations
+        FROM PUBLIC, baton_app, baton_relay, baton_worker;
+    REVOKE ALL ON FUNCTION public.baton_fence(boolean, text) FROM PUBLIC, baton_app, baton_relay, baton_worker;
+
+    -- baton_app: producer.CreateConversation, producer.Send and SendTx (which read back the
+    -- message and outbox row of a retried id), and reading the conversation. Queue fields keep
+    -- their defaults: status, attempts, run_id, lease and reply columns are not insertable.
+    GRANT SELECT, INSERT (id) ON public.conversations TO baton_app;
+    GRANT SELECT, INSERT (id, conversation_id, role, content) ON public.messages TO baton_app;
+    GRANT SELECT, INSERT (conversation_id, message_id) ON public.agent_outbox TO baton_app;
+
+    -- baton_relay: the first-start backfill reads the outbox; the slot record is its own.
+    GRANT SELECT ON public.agent_outbox, public.messages TO baton_relay;
+    GRANT SELECT, INSERT, UPDATE ON public.baton_relay_slots TO baton_relay;
+
+    -- baton_worker: claims (lock the conversation, take pending rows), leases, tool operations,
+    -- the final commit, recovery. It deletes nothing.
+    GRANT SELECT, UPDATE (last_message_at, unread_count) ON public.conversations TO baton_worker;
+    GRANT SELECT, INSERT (id, conversation_id, role, content) ON public.messages TO baton_worker;
+    GRANT SELECT, UPDATE (status, attempts, processed_at, run_id, lease_expires_at, reply_id,
+                          last_error, available_at)
+        ON public.agent_outbox TO baton_worker;
+    GRANT SELECT, INSERT (run_id, conversation_id, tool, effect, input),
+          UPDATE (message_id, status, output, error, finished_at)
+        ON public.operations TO baton_worker;
+    GRANT SELECT, INSERT (run_id, conversation_id, outbox_ids, worker),
+          UPDATE (finished_at, outcome, error)
+        ON public.agent_runs TO baton_worker;
+    GRANT EXECUTE ON FUNCTION public.baton_fence(boolean, text) TO baton_worker;
+END
+$$;
