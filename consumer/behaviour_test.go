@@ -357,3 +357,34 @@ func TestShutdownReleasesRunningTurns(t *testing.T) {
 	b.waitTerminal(time.Minute)
 	require.Equal(t, []string{"echo: hi"}, query[string](t, b.db, `SELECT content FROM messages WHERE role = 'assistant'`))
 }
+
+// Logical decoding can send a transaction a moment before other sessions see its commit, so
+// a worker may receive an event whose row it cannot see yet. It must not take that for a
+// deleted row and ack the event away.
+func TestEventBeforeItsRowIsVisible(t *testing.T) {
+	t.Parallel()
+	b := setup(t, jetStream)
+	b.conversation("c")
+	js, err := jetstream.New(b.nc)
+	require.NoError(t, err)
+	ctx := context.Background()
+	// The event of outbox row 1000, published before the row exists.
+	m := nats.NewMsg("agent.turns.c")
+	m.Header.Set(relay.HeaderOutboxID, "1000")
+	m.Header.Set(nats.MsgIdHdr, relay.TurnMsgID(1000))
+	m.Data = []byte(`{"outbox_id":1000,"conversation_id":"c","message_id":"m1000","status":"pending","attempts":0,"created_at":"2026-11-30T00:00:00Z"}`)
+	_, err = js.PublishMsg(ctx, m)
+	require.NoError(t, err)
+	reg := prometheus.NewRegistry()
+	b.worker(consumer.Config{SweepInterval: time.Hour, Registerer: reg}) // no sweep to rescue it
+	require.Eventually(t, func() bool {
+		return counter(t, reg, "baton_worker_events_total", "nacked")+counter(t, reg, "baton_worker_events_total", "acked") > 0
+	}, 30*time.Second, 5*time.Millisecond, "the worker never settled the early event")
+	_, err = b.db.Pool.Exec(ctx, `WITH m AS (INSERT INTO messages (id, conversation_id, role, content)
+			VALUES ('m1000', 'c', 'user', 'early') RETURNING id)
+		INSERT INTO agent_outbox (id, conversation_id, message_id) OVERRIDING SYSTEM VALUE SELECT 1000, 'c', id FROM m`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		return len(query[string](t, b.db, `SELECT id FROM messages WHERE role = 'assistant'`)) == 1
+	}, 5*time.Second, 10*time.Millisecond, "the row became visible but its event was dropped")
+}

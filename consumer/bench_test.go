@@ -110,25 +110,31 @@ func TestBenchmarkTurns(t *testing.T) {
 		return
 	}
 	const n = 3000
+	// Each measurement runs in a subtest, so its servers, relay and workers stop before the
+	// next one starts and nothing idle competes with it.
 	for _, src := range sources {
 		for _, workers := range []int{1, 4} {
-			b := setup(t, src)
-			for range workers {
-				// Each worker has a pool of its own, as a worker process would.
-				b.worker(consumer.Config{Pool: b.pool(t, 16), PollInterval: 250 * time.Millisecond})
-			}
-			took := runTurns(t, b, n)
-			t.Logf("BENCH throughput source=%s workers=%d turns=%d took=%v turns/s=%.0f", src, workers, n, took.Round(time.Millisecond), float64(n)/took.Seconds())
+			t.Run(fmt.Sprintf("throughput-%s-%d", src, workers), func(t *testing.T) {
+				b := setup(t, src)
+				for range workers {
+					// Each worker has a pool of its own, as a worker process would.
+					b.worker(consumer.Config{Pool: b.pool(t, 16), PollInterval: 250 * time.Millisecond})
+				}
+				took := runTurns(t, b, n)
+				t.Logf("BENCH throughput source=%s workers=%d turns=%d took=%v turns/s=%.0f", src, workers, n, took.Round(time.Millisecond), float64(n)/took.Seconds())
+			})
 		}
 	}
 	p50 := map[source]time.Duration{}
 	for _, src := range sources {
-		b := setup(t, src)
-		b.worker(consumer.Config{Pool: b.pool(t, 16), PollInterval: 250 * time.Millisecond})
-		lat := latencies(t, b, 200, 5*time.Second)
-		p50[src] = pct(lat, .5)
-		t.Logf("BENCH latency source=%s rate=200/s n=%d p50=%v p99=%v (debounce 5ms, poll 250ms)", src, len(lat),
-			pct(lat, .5).Round(10*time.Microsecond), pct(lat, .99).Round(10*time.Microsecond))
+		t.Run("latency-"+string(src), func(t *testing.T) {
+			b := setup(t, src)
+			b.worker(consumer.Config{Pool: b.pool(t, 16), PollInterval: 250 * time.Millisecond})
+			lat := latencies(t, b, 200, 5*time.Second)
+			p50[src] = pct(lat, .5)
+			t.Logf("BENCH latency source=%s rate=200/s n=%d p50=%v p99=%v (debounce 5ms, poll 250ms)", src, len(lat),
+				pct(lat, .5).Round(10*time.Microsecond), pct(lat, .99).Round(10*time.Microsecond))
+		})
 	}
 	t.Logf("BENCH polling p50 / jetstream p50 = %.1fx", float64(p50[polling])/float64(p50[jetStream]))
 }

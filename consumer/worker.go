@@ -5,12 +5,14 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	mrand "math/rand/v2"
 	"slices"
 	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 	"golang.org/x/sync/errgroup"
 )
@@ -67,9 +69,12 @@ func (w *Worker) Run(ctx context.Context) error {
 	g.Go(func() error { return w.every(gctx, w.cfg.RecoveryInterval, w.recoverOnce) })
 	if w.cfg.NATS != nil {
 		g.Go(func() error { return w.consumeJetStream(gctx) })
-		g.Go(func() error { return w.every(gctx, w.cfg.SweepInterval, w.sweep(w.cfg.SweepInterval)) })
+		sweep := w.sweep(w.cfg.SweepInterval)
+		g.Go(func() error {
+			return w.every(gctx, w.cfg.SweepInterval, func(ctx context.Context) { sweep(ctx) })
+		})
 	} else {
-		g.Go(func() error { return w.every(gctx, w.cfg.PollInterval, w.sweep(0)) })
+		g.Go(func() error { return w.poll(gctx) })
 	}
 	err := g.Wait()
 	w.loops.Wait()
@@ -123,26 +128,46 @@ func (w *Worker) recoverOnce(ctx context.Context) {
 	}
 }
 
-// sweep returns a pass that schedules conversations with claimable rows at least minAge old.
-func (w *Worker) sweep(minAge time.Duration) func(context.Context) {
-	return func(ctx context.Context) {
+// poll is the polling source: it looks for claimable rows every PollInterval, and again at
+// once while it keeps finding a full page, so a backlog drains at the workers' pace.
+func (w *Worker) poll(ctx context.Context) error {
+	pass := w.sweep(0)
+	for {
+		full := pass(ctx)
+		wait := w.cfg.PollInterval
+		if full {
+			wait = min(wait, 10*time.Millisecond)
+		}
+		if !sleep(ctx, wait) {
+			return nil
+		}
+	}
+}
+
+// sweep returns a pass that schedules conversations with claimable rows at least minAge old,
+// oldest first, and reports whether it found a full page. The page is shuffled before it is
+// scheduled, so workers polling the same backlog start on different conversations instead of
+// colliding on the same claim locks.
+func (w *Worker) sweep(minAge time.Duration) func(context.Context) bool {
+	return func(ctx context.Context) bool {
+		limit := 4 * w.cfg.MaxConcurrentTurns
 		rows, err := w.store.pool.Query(ctx, `SELECT conversation_id FROM agent_outbox
 			WHERE status = 'pending' AND available_at <= now() AND created_at <= now() - $1 * interval '1 millisecond'
-			GROUP BY conversation_id ORDER BY min(id) LIMIT $2`, minAge.Milliseconds(), 4*w.cfg.MaxConcurrentTurns)
+			GROUP BY conversation_id ORDER BY min(id) LIMIT $2`, minAge.Milliseconds(), limit)
 		if err != nil {
 			if ctx.Err() == nil {
 				w.cfg.Logger.Error("look for pending rows", "error", err)
 			}
-			return
+			return false
 		}
-		var convs []string
-		for rows.Next() {
-			var c string
-			if err := rows.Scan(&c); err == nil {
-				convs = append(convs, c)
+		convs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			if ctx.Err() == nil {
+				w.cfg.Logger.Error("look for pending rows", "error", err)
 			}
+			return false
 		}
-		rows.Close()
+		mrand.Shuffle(len(convs), func(i, j int) { convs[i], convs[j] = convs[j], convs[i] })
 		for _, c := range convs {
 			w.schedule(ctx, c, nil)
 		}
@@ -151,6 +176,7 @@ func (w *Worker) sweep(minAge time.Duration) func(context.Context) {
 			FROM agent_outbox WHERE status = 'pending'`).Scan(&age); err == nil {
 			w.m.oldestPending.Set(age)
 		}
+		return len(convs) == limit
 	}
 }
 
@@ -272,6 +298,10 @@ func (w *Worker) resolve(ctx context.Context, conv string, c claim, settled bool
 		for _, ev := range held {
 			st := states[ev.outboxID]
 			switch {
+			case st.status == "" && young(ev, now):
+				// Not visible yet: logical decoding can send a transaction a moment before
+				// other sessions see its commit. A row still missing later was deleted.
+				w.nak(ev, 50*time.Millisecond)
 			case st.status == "" || st.status == "done" || st.status == "error":
 				w.ack(ev)
 			case st.status == "processing" || !c.locked || c.busy:
@@ -517,6 +547,19 @@ func (w *Worker) keepLease(ctx, turnCtx context.Context, cancel context.CancelCa
 			}
 		}
 	}
+}
+
+// missingGrace is how long after it was stored an event's row may still be invisible before a
+// missing row is taken as deleted.
+const missingGrace = 10 * time.Second
+
+// young reports whether ev was stored in the stream less than missingGrace ago.
+func young(ev event, now time.Time) bool {
+	if ev.msg == nil {
+		return false
+	}
+	md, err := ev.msg.Metadata()
+	return err == nil && now.Sub(md.Timestamp) < missingGrace
 }
 
 func sleep(ctx context.Context, d time.Duration) bool {
