@@ -79,5 +79,9 @@ func (w *Worker) onEvent(ctx context.Context, msg jetstream.Msg) {
 		_ = msg.Nak()
 		return
 	}
-	w.schedule(ctx, ev.ConversationID, &event{outboxID: id, msg: msg})
+	var seq uint64
+	if md, err := msg.Metadata(); err == nil {
+		seq = md.Sequence.Stream
+	}
+	w.schedule(ctx, ev.ConversationID, &event{outboxID: id, seq: seq, msg: msg})
 }

@@ -42,6 +42,7 @@ type convState struct {
 // event is one turn event held until its row is terminal. msg is nil for the polling source.
 type event struct {
 	outboxID int64
+	seq      uint64 // stream sequence, 0 for the polling source
 	msg      jetstream.Msg
 }
 
@@ -191,9 +192,10 @@ func (w *Worker) schedule(ctx context.Context, conversationID string, ev *event)
 		w.convs[conversationID] = st
 	}
 	if ev != nil {
-		// A redelivery of an event already held replaces it: the newest delivery is the one
-		// JetStream expects an ack for.
-		if i := slices.IndexFunc(st.events, func(h event) bool { return h.outboxID == ev.outboxID }); i >= 0 {
+		// A redelivery of a stream message already held replaces it: the newest delivery is
+		// the one JetStream expects an ack for. Other messages for the same row (a replay past
+		// the duplicate window) are held and acked on their own.
+		if i := slices.IndexFunc(st.events, func(h event) bool { return ev.seq != 0 && h.seq == ev.seq }); i >= 0 {
 			st.events[i] = *ev
 		} else {
 			st.events = append(st.events, *ev)
