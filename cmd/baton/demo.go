@@ -22,9 +22,9 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/internal/localsvc"
 	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/internal/subject"
-	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/producer"
 	"github.com/batonhq/baton/relay"
@@ -166,7 +166,7 @@ func isTerminal(w io.Writer) bool {
 
 // noPostgresError says how to give the demo a PostgreSQL when the server binaries are missing.
 func noPostgresError(err error) error {
-	if !errors.Is(err, testsvc.ErrNoPostgres) {
+	if !errors.Is(err, localsvc.ErrNoPostgres) {
 		return fmt.Errorf("start a throwaway PostgreSQL: %w", err)
 	}
 	return errors.New("the demo needs PostgreSQL and found no server binaries (initdb, postgres) to start a " +
@@ -212,8 +212,8 @@ func (d *demo) run(ctx context.Context) (err error) {
 
 	if cfg.DatabaseURL == "" {
 		d.printf("starting a throwaway PostgreSQL cluster (BATON_DATABASE_URL is not set)\n")
-		var pg *testsvc.Postgres
-		if pg, err = testsvc.StartPostgres(startCtx); err != nil {
+		var pg *localsvc.Postgres
+		if pg, err = localsvc.StartPostgres(startCtx); err != nil {
 			return noPostgresError(err)
 		}
 		defer func() {
@@ -242,8 +242,8 @@ func (d *demo) run(ctx context.Context) (err error) {
 				err = fmt.Errorf("remove the NATS store: %w", rerr)
 			}
 		}()
-		var srv *testsvc.NATS
-		if srv, err = testsvc.RunNATS(dir, 0); err != nil {
+		var srv *localsvc.NATS
+		if srv, err = localsvc.RunNATS(dir, 0); err != nil {
 			return fmt.Errorf("start an embedded NATS server: %w", err)
 		}
 		defer srv.Stop()

@@ -21,6 +21,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/batonhq/baton/internal/localsvc"
 	"github.com/batonhq/baton/internal/testsvc"
 )
 
@@ -328,7 +329,7 @@ func TestDemoUsageErrors(t *testing.T) {
 
 func TestDemoNoPostgresError(t *testing.T) {
 	t.Parallel()
-	msg := noPostgresError(testsvc.ErrNoPostgres).Error()
+	msg := noPostgresError(localsvc.ErrNoPostgres).Error()
 	require.Contains(t, msg, "apt-get install -y postgresql")
 	require.Contains(t, msg, "BATON_DATABASE_URL")
 	require.NotContains(t, msg, "BATON_TEST_DATABASE_URL", "the demo does not read the tests' variable")

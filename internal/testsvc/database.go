@@ -2,6 +2,7 @@ package testsvc
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/url"
 	"os"
@@ -14,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/batonhq/baton/internal/localsvc"
 	"github.com/batonhq/baton/migrations"
 )
 
@@ -68,6 +70,9 @@ func setupShared() error {
 	raw := os.Getenv(EnvDatabaseURL)
 	if raw == "" {
 		pg, err := StartPostgres(ctx)
+		if errors.Is(err, localsvc.ErrNoPostgres) {
+			return ErrNoPostgres
+		}
 		if err != nil {
 			return err
 		}

@@ -1,19 +1,14 @@
-package testsvc
+package localsvc
 
 import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"sync"
-	"testing"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
 )
-
-// EnvNATSURL points tests at an existing NATS server with JetStream instead of an in-process one.
-const EnvNATSURL = "BATON_TEST_NATS_URL"
 
 // NATS is a NATS server with JetStream, in this process, that can be stopped and restarted on
 // the same port with the same store directory.
@@ -41,20 +36,8 @@ func RunNATS(storeDir string, port int) (*NATS, error) {
 	return n, nil
 }
 
-// StartNATS gives the test a NATS server of its own, shut down when the test ends. With
-// BATON_TEST_NATS_URL set it returns that server instead, which Stop and Start refuse to touch.
-func StartNATS(t testing.TB) *NATS {
-	t.Helper()
-	if u := os.Getenv(EnvNATSURL); u != "" {
-		return &NATS{external: u}
-	}
-	n, err := RunNATS(t.TempDir(), 0)
-	if err != nil {
-		t.Fatalf("start nats: %v", err)
-	}
-	t.Cleanup(n.Stop)
-	return n
-}
+// ExternalNATS describes a server this process did not start: Stop and Start refuse to touch it.
+func ExternalNATS(url string) *NATS { return &NATS{external: url} }
 
 // URL returns the client URL.
 func (n *NATS) URL() string {
@@ -68,8 +51,7 @@ func (n *NATS) URL() string {
 func (n *NATS) External() bool { return n.external != "" }
 
 // ErrExternal is returned when a test tries to restart a server it did not start.
-var ErrExternal = errors.New("cannot stop or restart the NATS server named by " + EnvNATSURL +
-	": unset it to let the test run its own")
+var ErrExternal = errors.New("cannot stop or restart a NATS server this process did not start")
 
 // Start starts the server (again) on n.Port with n.StoreDir; JetStream recovers its streams.
 func (n *NATS) Start() error {

@@ -1,10 +1,8 @@
-// Package testsvc starts the real services Baton's tests talk to: a throwaway PostgreSQL cluster
-// (initdb, wal_level=logical) and a NATS server with JetStream. A test owns what it starts and can
-// stop, crash and restart it on the same port and data directory.
-//
-// BATON_TEST_DATABASE_URL and BATON_TEST_NATS_URL point tests at existing servers instead; tests
-// that must restart a server then fail with a message saying so.
-package testsvc
+// Package localsvc starts throwaway local servers: a PostgreSQL cluster (initdb,
+// wal_level=logical) from the machine's server binaries, and a NATS server with JetStream in this
+// process. The demo runs on them and the tests (through internal/testsvc) own them, so they can
+// stop, crash and restart them on the same port and data directory.
+package localsvc
 
 import (
 	"bytes"
@@ -28,8 +26,7 @@ import (
 
 // ErrNoPostgres says how to get the PostgreSQL server binaries.
 var ErrNoPostgres = errors.New("PostgreSQL server binaries (initdb, postgres) not found: " +
-	"install them (Debian/Ubuntu: `apt-get install -y postgresql`), put their directory on PATH via pg_config, " +
-	"or set BATON_TEST_DATABASE_URL to a server running with wal_level=logical")
+	"install them (Debian/Ubuntu: `apt-get install -y postgresql`) or put their directory on PATH via pg_config")
 
 // Postgres is a throwaway PostgreSQL cluster in a temporary directory.
 type Postgres struct {
