@@ -24,7 +24,6 @@ import (
 
 func TestMain(m *testing.M) {
 	code := testsvc.Main(m)
-	removeEchoagent()
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
 			fmt.Fprintln(os.Stderr, "goleak:", err)

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -16,39 +15,15 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/testsvc"
 )
 
-// echoagentBuild is examples/echoagent built once per test binary, for tests that run workers
-// as processes and kill them. removeEchoagent (called by TestMain) deletes it.
-var echoagentBuild struct {
-	once sync.Once
-	bin  string
-	err  error
-}
-
-func echoagentDir() string {
-	return filepath.Join(os.TempDir(), fmt.Sprintf("baton-echoagent-%d", os.Getpid()))
-}
-
+// echoagentBinary is examples/echoagent built once per test binary, for tests that run
+// workers as processes and kill them.
 func echoagentBinary(t *testing.T) string {
-	t.Helper()
-	echoagentBuild.once.Do(func() {
-		dir := echoagentDir()
-		if echoagentBuild.err = os.MkdirAll(dir, 0o755); echoagentBuild.err != nil {
-			return
-		}
-		echoagentBuild.bin = filepath.Join(dir, "echoagent")
-		out, err := exec.Command("go", "build", "-o", echoagentBuild.bin, "../examples/echoagent").CombinedOutput()
-		if err != nil {
-			echoagentBuild.err = fmt.Errorf("go build ./examples/echoagent: %w: %s", err, out)
-		}
-	})
-	require.NoError(t, echoagentBuild.err)
-	return echoagentBuild.bin
+	return testsvc.Binary(t, "github.com/batonhq/baton/examples/echoagent")
 }
-
-// removeEchoagent deletes the built worker binary, if any test built it.
-func removeEchoagent() { _ = os.RemoveAll(echoagentDir()) }
 
 // pause is one "PAUSED <point> <run_id> <conversation_id>" line of a worker process.
 type pause struct{ point, runID, conversationID string }

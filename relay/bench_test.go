@@ -244,7 +244,7 @@ type benchProcess struct {
 
 func startBenchProcess(tb testing.TB, e *benchEnv, env ...string) *benchProcess {
 	tb.Helper()
-	bin := benchBinary(tb)
+	bin := batonBinary(tb)
 	cmd := exec.Command(bin, "relay")
 	cmd.Env = append(os.Environ(),
 		"BATON_DATABASE_URL="+e.db.URL,
@@ -348,26 +348,6 @@ func (e *benchEnv) walsenderPID(ctx context.Context, slot string) int {
 	var pid int
 	_ = e.db.Pool.QueryRow(ctx, `SELECT coalesce(active_pid, 0) FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&pid)
 	return pid
-}
-
-// benchBinary is batonBinary for benchmarks: the same build, shared with the tests.
-func benchBinary(tb testing.TB) string {
-	tb.Helper()
-	build.once.Do(func() {
-		build.dir, build.err = os.MkdirTemp("", "baton-bin-")
-		if build.err != nil {
-			return
-		}
-		build.bin = build.dir + "/baton"
-		out, err := exec.Command("go", "build", "-o", build.bin, "../cmd/baton").CombinedOutput()
-		if err != nil {
-			build.err = fmt.Errorf("go build ./cmd/baton: %w: %s", err, out)
-		}
-	})
-	if build.err != nil {
-		tb.Fatal(build.err)
-	}
-	return build.bin
 }
 
 // replConn opens a replication connection and starts streaming slot from its confirmed
@@ -726,7 +706,7 @@ type catchUpRound struct {
 func benchCatchUp(b *testing.B, rowsPerTx, rounds int) {
 	b.StopTimer()
 	e := newBenchEnv(b)
-	benchBinary(b)
+	batonBinary(b)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 
@@ -950,7 +930,7 @@ func BenchmarkRelayLatency(b *testing.B) {
 	b.StopTimer()
 	const rate = 1000
 	e := newBenchEnv(b)
-	benchBinary(b)
+	batonBinary(b)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 

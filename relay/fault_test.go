@@ -7,7 +7,6 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -24,29 +23,9 @@ import (
 	"github.com/batonhq/baton/relay"
 )
 
-var build struct {
-	once sync.Once
-	dir  string
-	bin  string
-	err  error
-}
-
 // batonBinary builds cmd/baton once per test binary, for tests that kill the relay as a process.
-func batonBinary(t *testing.T) string {
-	t.Helper()
-	build.once.Do(func() {
-		build.dir, build.err = os.MkdirTemp("", "baton-bin-")
-		if build.err != nil {
-			return
-		}
-		build.bin = filepath.Join(build.dir, "baton")
-		out, err := exec.Command("go", "build", "-o", build.bin, "../cmd/baton").CombinedOutput()
-		if err != nil {
-			build.err = fmt.Errorf("go build ./cmd/baton: %w: %s", err, out)
-		}
-	})
-	require.NoError(t, build.err)
-	return build.bin
+func batonBinary(tb testing.TB) string {
+	return testsvc.Binary(tb, "github.com/batonhq/baton/cmd/baton")
 }
 
 // relayProcess is `baton relay` running as a child process.

@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"regexp"
 	"strings"
 	"sync"
@@ -29,7 +28,6 @@ import (
 
 func TestMain(m *testing.M) {
 	code := testsvc.Main(m)
-	_ = os.RemoveAll(binDir())
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
 			fmt.Fprintln(os.Stderr, "goleak:", err)
@@ -39,31 +37,9 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// build is this package's binary, built once per test binary and run as a process.
-var build struct {
-	once sync.Once
-	bin  string
-	err  error
-}
-
-func binDir() string {
-	return filepath.Join(os.TempDir(), fmt.Sprintf("baton-subscriber-%d", os.Getpid()))
-}
-
+// subscriberBinary is this package's program, built once per test binary and run as a process.
 func subscriberBinary(t *testing.T) string {
-	t.Helper()
-	build.once.Do(func() {
-		if build.err = os.MkdirAll(binDir(), 0o755); build.err != nil {
-			return
-		}
-		build.bin = filepath.Join(binDir(), "subscriber")
-		out, err := exec.Command("go", "build", "-o", build.bin, ".").CombinedOutput()
-		if err != nil {
-			build.err = fmt.Errorf("go build ./examples/subscriber: %w: %s", err, out)
-		}
-	})
-	require.NoError(t, build.err)
-	return build.bin
+	return testsvc.Binary(t, "github.com/batonhq/baton/examples/subscriber")
 }
 
 // syncBuffer is a bytes.Buffer safe for the process's copier and the test.

@@ -36,14 +36,17 @@ var shared struct {
 	seq      atomic.Int64
 }
 
-// Main runs the tests of a package and then stops the shared cluster, if one was started.
+// Main runs the tests of a package, then stops the shared cluster, if one was started, and
+// removes the programs Binary built.
 // Call it from TestMain: os.Exit(testsvc.Main(m)).
 func Main(m *testing.M) int {
 	code := m.Run()
-	if err := closeShared(); err != nil {
-		fmt.Fprintln(os.Stderr, "testsvc:", err)
-		if code == 0 {
-			code = 1
+	for _, err := range []error{closeShared(), removeBinaries()} {
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "testsvc:", err)
+			if code == 0 {
+				code = 1
+			}
 		}
 	}
 	return code
