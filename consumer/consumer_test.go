@@ -14,7 +14,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 
 	"github.com/batonhq/baton/consumer"
 	"github.com/batonhq/baton/internal/testsvc"
@@ -22,16 +21,7 @@ import (
 	"github.com/batonhq/baton/relay"
 )
 
-func TestMain(m *testing.M) {
-	code := testsvc.Main(m)
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintln(os.Stderr, "goleak:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(testsvc.MainNoLeaks(m)) }
 
 type testWriter struct{ t *testing.T }
 

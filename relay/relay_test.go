@@ -18,23 +18,13 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 
 	"github.com/batonhq/baton/internal/subject"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/relay"
 )
 
-func TestMain(m *testing.M) {
-	code := testsvc.Main(m)
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintln(os.Stderr, "goleak:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(testsvc.MainNoLeaks(m)) }
 
 // bundle is what a relay test needs: its own database, NATS server and slot.
 type bundle struct {

@@ -14,21 +14,14 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 
 	"github.com/batonhq/baton/internal/testsvc"
 )
 
 func TestMain(m *testing.M) {
-	code := testsvc.Main(m)
+	code := testsvc.MainNoLeaks(m)
 	if programs.dir != "" {
 		_ = os.RemoveAll(programs.dir)
-	}
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintln(os.Stderr, "goleak:", err)
-			code = 1
-		}
 	}
 	os.Exit(code)
 }

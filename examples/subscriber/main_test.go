@@ -18,7 +18,6 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 
 	"github.com/batonhq/baton/consumer"
 	"github.com/batonhq/baton/internal/testsvc"
@@ -26,16 +25,7 @@ import (
 	"github.com/batonhq/baton/relay"
 )
 
-func TestMain(m *testing.M) {
-	code := testsvc.Main(m)
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintln(os.Stderr, "goleak:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(testsvc.MainNoLeaks(m)) }
 
 // subscriberBinary is this package's program, built once per test binary and run as a process.
 func subscriberBinary(t *testing.T) string {

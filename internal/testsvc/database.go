@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
 
 	"github.com/batonhq/baton/internal/localsvc"
 	"github.com/batonhq/baton/migrations"
@@ -47,6 +48,20 @@ func Main(m *testing.M) int {
 			if code == 0 {
 				code = 1
 			}
+		}
+	}
+	return code
+}
+
+// MainNoLeaks is Main followed, when the tests passed, by a check that no goroutine outlived
+// them (go.uber.org/goleak), for packages whose code starts goroutines. The shared cluster's
+// pools are closed first, so they do not count.
+func MainNoLeaks(m *testing.M) int {
+	code := Main(m)
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
 		}
 	}
 	return code
