@@ -2,7 +2,6 @@ package deploytest
 
 import (
 	"bytes"
-	"fmt"
 	"maps"
 	"os"
 	"os/exec"
@@ -19,11 +18,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	code := testsvc.MainNoLeaks(m)
-	if programs.dir != "" {
-		_ = os.RemoveAll(programs.dir)
-	}
-	os.Exit(code)
+	os.Exit(testsvc.MainNoLeaks(m))
 }
 
 // root is the module's root directory, relative to this package.
@@ -58,14 +53,6 @@ var programPackages = map[string]string{
 	progHealthcheck: "deploy/healthcheck",
 }
 
-// programs are the deployed programs, built once per test binary into dir.
-var programs struct {
-	once  sync.Once
-	dir   string
-	built map[string]bool
-	err   error
-}
-
 // programExists reports whether the program's package is in the module (examples/subscriber
 // is written separately and may not exist yet).
 func programExists(name string) bool {
@@ -82,32 +69,11 @@ func requireProgram(t *testing.T, name string) {
 	}
 }
 
-// binary returns the path of a built program.
+// binary returns the path of a built program (built once per test binary by testsvc.Binary).
 func binary(t *testing.T, name string) string {
 	t.Helper()
-	programs.once.Do(func() {
-		programs.dir, programs.err = os.MkdirTemp("", "baton-deploytest-")
-		if programs.err != nil {
-			return
-		}
-		programs.built = map[string]bool{}
-		args := []string{"build", "-o", programs.dir + string(filepath.Separator)}
-		for _, name := range keys(programPackages) {
-			if programExists(name) {
-				args = append(args, "./"+programPackages[name])
-				programs.built[name] = true
-			}
-		}
-		cmd := exec.Command("go", args...)
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			programs.err = fmt.Errorf("go %s: %w\n%s", strings.Join(args, " "), err, out)
-		}
-	})
-	require.NoError(t, programs.err)
 	requireProgram(t, name)
-	require.True(t, programs.built[name], "%s was not built", name)
-	return filepath.Join(programs.dir, name)
+	return testsvc.Binary(t, "github.com/batonhq/baton/"+programPackages[name])
 }
 
 // cleanEnv is the environment without BATON_* variables, so a developer's configuration
