@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -295,20 +296,8 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 	return n, nil
 }
 
-func quoteLiteral(s string) string {
-	return "'" + escapeQuotes(s) + "'"
-}
-
-func escapeQuotes(s string) string {
-	out := make([]byte, 0, len(s))
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\'' {
-			out = append(out, '\'')
-		}
-		out = append(out, s[i])
-	}
-	return string(out)
-}
+// quoteLiteral quotes s as an SQL string literal (SET TRANSACTION SNAPSHOT takes no parameters).
+func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 
 // replicate runs the reader (which owns the replication connection) and the pipeline until
 // one fails or ctx ends.
