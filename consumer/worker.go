@@ -481,7 +481,7 @@ func (w *Worker) stopped(ctx context.Context, conv, runID string, c claim, herr 
 	if write {
 		return w.fail(ctx, conv, runID, c, herr)
 	}
-	return "released", w.store.releaseNow(ctx, runID, c.ids)
+	return "released", w.store.releaseNow(ctx, conv, runID, c.ids)
 }
 
 // fail ends a failed attempt: a visible failure when a write tool ran or may have run, or when
@@ -498,7 +498,7 @@ func (w *Worker) fail(ctx context.Context, conv, runID string, c claim, herr err
 	case c.attempts >= w.cfg.MaxAttempts:
 		reason = fmt.Sprintf("failed after %d attempts: %s", c.attempts, reason)
 	default:
-		return "retry", w.store.release(ctx, runID, c.ids, c.attempts, reason)
+		return "retry", w.store.release(ctx, conv, runID, c.ids, c.attempts, reason)
 	}
 	if _, err := w.store.pool.Exec(ctx, `UPDATE operations SET status = 'error', error = 'interrupted: the turn failed',
 		finished_at = now() WHERE run_id = $1 AND status = 'running'`, runID); err != nil {
@@ -538,7 +538,7 @@ func (w *Worker) keepLease(ctx, turnCtx context.Context, cancel context.CancelCa
 				}
 			}
 		case <-t.C:
-			ok, err := w.store.renew(turnCtx, runID)
+			ok, err := w.store.renew(turnCtx, conv, runID)
 			if err != nil {
 				w.cfg.Logger.Warn("renew lease", "run_id", runID, "error", err)
 				continue

@@ -1,0 +1,141 @@
+package consumer
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/producer"
+)
+
+// storeFixture is a test database with one conversation and a store on it.
+func storeFixture(t *testing.T) (*testsvc.Database, *store) {
+	t.Helper()
+	db := testsvc.NewDatabase(t)
+	_, err := db.Pool.Exec(context.Background(), `INSERT INTO conversations (id) VALUES ('c')`)
+	require.NoError(t, err)
+	return db, &store{pool: db.Pool, lease: time.Minute, maxAttempts: 3,
+		backoff: func(int) time.Duration { return 0 }, worker: "test"}
+}
+
+func send(t *testing.T, db *testsvc.Database, conv string, ids ...string) {
+	t.Helper()
+	p, err := producer.New(producer.Config{})
+	require.NoError(t, err)
+	for _, id := range ids {
+		_, err := p.Send(context.Background(), db.Pool, producer.Message{ConversationID: conv, ID: id, Content: "hi " + id})
+		require.NoError(t, err)
+	}
+}
+
+func scalar[T any](t *testing.T, db *testsvc.Database, sql string, args ...any) T {
+	t.Helper()
+	var v T
+	require.NoError(t, db.Pool.QueryRow(context.Background(), sql, args...).Scan(&v))
+	return v
+}
+
+// A run whose rows are no longer all its own commits nothing: not the reply, not the
+// conversation's metadata, not its run record, not the rows it still holds.
+func TestFinishIsFencedByRunID(t *testing.T) {
+	ctx := context.Background()
+	for _, lost := range []string{"all rows", "one row"} {
+		t.Run(lost, func(t *testing.T) {
+			db, s := storeFixture(t)
+			send(t, db, "c", "m1", "m2")
+			const run = "00000000-0000-4000-8000-000000000001"
+			c, err := s.claim(ctx, "c", run)
+			require.NoError(t, err)
+			require.Len(t, c.ids, 2)
+
+			// Recovery took the rows of the expired run and another run claimed them.
+			where := "run_id = $1"
+			if lost == "one row" {
+				where += fmt.Sprintf(" AND id = %d", c.ids[1])
+			}
+			_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET run_id = gen_random_uuid() WHERE `+where, run)
+			require.NoError(t, err)
+
+			_, err = s.finish(ctx, "c", run, c.ids, outcome{role: "assistant", content: "late"})
+			require.ErrorIs(t, err, errLeaseLost)
+			require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM messages WHERE role <> 'user'`), "no reply committed")
+			require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM agent_outbox WHERE status <> 'processing'`), "rows untouched")
+			require.Zero(t, scalar[int](t, db, `SELECT unread_count FROM conversations WHERE id = 'c'`))
+			require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM agent_runs WHERE finished_at IS NOT NULL`))
+		})
+	}
+}
+
+// A conversation deleted during the turn is a cancellation, told apart from a lost lease,
+// and nothing is recreated.
+func TestFinishAfterConversationDeleted(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	send(t, db, "c", "m1")
+	const run = "00000000-0000-4000-8000-000000000002"
+	c, err := s.claim(ctx, "c", run)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `DELETE FROM conversations WHERE id = 'c'`)
+	require.NoError(t, err)
+
+	_, err = s.finish(ctx, "c", run, c.ids, outcome{role: "assistant", content: "late"})
+	require.ErrorIs(t, err, errConversationGone)
+	require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM conversations`))
+	require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM messages`))
+}
+
+// finish, renew and release find a run's rows by (conversation, run) through the processing
+// index, whatever the planner believes about how many rows are processing: with thousands of
+// processing rows (and the statistics taken when there were none) each still reads only its own.
+func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	_, err := db.Pool.Exec(ctx, `ANALYZE`)
+	require.NoError(t, err)
+	// 5,000 processing rows of other runs, in other conversations.
+	_, err = db.Pool.Exec(ctx, `
+		WITH c AS (INSERT INTO conversations (id) SELECT 'o' || g FROM generate_series(1, 5000) g RETURNING id),
+		     m AS (INSERT INTO messages (id, conversation_id, role, content) SELECT id, id, 'user', 'x' FROM c RETURNING id)
+		INSERT INTO agent_outbox (conversation_id, message_id, status, run_id, lease_expires_at)
+		SELECT id, id, 'processing', gen_random_uuid(), now() + interval '1 hour' FROM m`)
+	require.NoError(t, err)
+	send(t, db, "c", "m1")
+	const run = "00000000-0000-4000-8000-000000000003"
+	c, err := s.claim(ctx, "c", run)
+	require.NoError(t, err)
+	require.Len(t, c.ids, 1)
+
+	ok, err := s.renew(ctx, "c", run)
+	require.NoError(t, err)
+	require.True(t, ok)
+
+	// The generic plan (what a prepared statement gets after a few runs) of the statements'
+	// shared WHERE clause: the rows are found by key, none read and thrown away.
+	conn, err := db.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	_, err = conn.Exec(ctx, `SET plan_cache_mode = force_generic_plan`)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `PREPARE held(text, uuid, bigint[]) AS UPDATE agent_outbox SET lease_expires_at = now()
+		WHERE conversation_id = $1 AND run_id = $2 AND id = ANY($3) AND status = 'processing'`)
+	require.NoError(t, err)
+	rows, err := conn.Query(ctx, fmt.Sprintf(`EXPLAIN (ANALYZE, SUMMARY OFF, TIMING OFF) EXECUTE held('c', '%s', '{%d}')`, run, c.ids[0]))
+	require.NoError(t, err)
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `DEALLOCATE held; RESET plan_cache_mode`)
+	require.NoError(t, err)
+	plan := strings.Join(lines, "\n")
+	require.Contains(t, plan, "agent_outbox_running", plan)
+	require.NotContains(t, plan, "Rows Removed by Filter", "the index finds the run's rows by key:\n%s", plan)
+
+	_, err = s.finish(ctx, "c", run, c.ids, outcome{role: "assistant", content: "ok"})
+	require.NoError(t, err)
+	require.Equal(t, "done", scalar[string](t, db, `SELECT status FROM agent_outbox WHERE conversation_id = 'c'`))
+}
