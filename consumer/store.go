@@ -25,6 +25,12 @@ type store struct {
 	worker      string
 }
 
+// claimReq asks to claim a conversation for a new run.
+type claimReq struct {
+	conversationID string
+	runID          string
+}
+
 // claim is what one claim returned.
 type claim struct {
 	locked   bool // this worker held the conversation's lock for the claim
@@ -34,70 +40,127 @@ type claim struct {
 	messages []Message // the claimed user messages, in id order
 }
 
-// lockConversationSQL takes the conversation's claim lock; SKIP LOCKED makes a concurrent
-// claimer give up at once instead of queueing behind us.
-const lockConversationSQL = `SELECT id FROM conversations WHERE id = $1 FOR NO KEY UPDATE SKIP LOCKED`
+// lockConversationsSQL takes the conversations' claim locks and records, for the rest of the
+// transaction, which ones it got; SKIP LOCKED makes a concurrent claimer give up at once
+// instead of queueing behind us.
+const lockConversationsSQL = `
+SELECT set_config('baton.claim_locked', coalesce(json_agg(id), '[]')::text, true)
+FROM (SELECT id FROM conversations WHERE id = ANY($1) FOR NO KEY UPDATE SKIP LOCKED) locked`
 
 // claimSQL runs as the second statement of the claim transaction, so its snapshot is taken
-// after the lock was acquired: it sees every claim committed before ours. The conversation is
-// busy while any of its rows is processing, live lease or not; expired ones are recovery's.
+// after the locks were acquired: it sees every claim committed before ours. It claims only in
+// the conversations the first statement locked: locking here instead would take a lock that
+// was free by now with a snapshot taken before it was (a claim committed in between would be
+// invisible, and its conversation claimed twice).
+//
+// A conversation is busy while any of its rows is processing, live lease or not; expired ones
+// are recovery's. For each requested conversation the statement returns whether we hold its
+// lock, whether it is busy, and the rows claimed for its run with their messages. Every table
+// is reached through "= ANY(array)" on an indexed key, so the generic plan of this prepared
+// statement probes indexes whatever the batch size.
 const claimSQL = `
-WITH conv AS (
-    SELECT id FROM conversations WHERE id = $1 FOR NO KEY UPDATE SKIP LOCKED
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::uuid[]) AS i(conversation_id, run_id)
+), conv AS (
+    SELECT i.conversation_id AS id, i.run_id FROM input i
+    WHERE i.conversation_id IN (SELECT json_array_elements_text(current_setting('baton.claim_locked')::json))
 ), busy AS (
-    SELECT EXISTS (SELECT 1 FROM agent_outbox WHERE conversation_id = $1 AND status = 'processing') AS b
+    SELECT DISTINCT conversation_id FROM agent_outbox
+    WHERE conversation_id = ANY($1) AND status = 'processing'
 ), claimed AS (
     UPDATE agent_outbox o
-    SET status = 'processing', attempts = o.attempts + 1, run_id = $2,
+    SET status = 'processing', attempts = o.attempts + 1, run_id = conv.run_id,
         lease_expires_at = now() + $3 * interval '1 millisecond'
-    WHERE o.id IN (
-        SELECT p.id FROM agent_outbox p, conv, busy
-        WHERE p.conversation_id = conv.id AND NOT busy.b
-          AND p.status = 'pending' AND p.available_at <= now()
+    FROM conv
+    WHERE o.conversation_id = conv.id AND o.id IN (
+        SELECT p.id FROM agent_outbox p JOIN conv ON p.conversation_id = conv.id
+        WHERE p.conversation_id = ANY($1) AND p.status = 'pending' AND p.available_at <= now()
+          AND p.conversation_id NOT IN (SELECT conversation_id FROM busy)
         ORDER BY p.id
         FOR UPDATE OF p)
-    RETURNING o.id, o.attempts, o.message_id
+    RETURNING o.id, o.conversation_id, o.attempts, o.message_id, conv.run_id
 ), run AS (
     INSERT INTO agent_runs (run_id, conversation_id, outbox_ids, worker)
-    SELECT $2, $1, array_agg(id ORDER BY id), $4 FROM claimed HAVING count(*) > 0
+    SELECT run_id, conversation_id, array_agg(id ORDER BY id), $4 FROM claimed
+    GROUP BY run_id, conversation_id
 )
-SELECT (SELECT count(*) FROM conv) > 0, (SELECT b FROM busy),
-       coalesce(array_agg(c.id ORDER BY c.id), '{}'), coalesce(max(c.attempts), 0),
+SELECT i.conversation_id, conv.id IS NOT NULL, i.conversation_id IN (SELECT conversation_id FROM busy),
+       coalesce(array_agg(c.id ORDER BY c.id) FILTER (WHERE c.id IS NOT NULL), '{}'),
+       coalesce(max(c.attempts), 0),
        json_agg(json_build_object('ID', m.id, 'Role', m.role, 'Content', m.content, 'CreatedAt', m.created_at)
-                ORDER BY c.id)
-FROM claimed c JOIN messages m ON m.id = c.message_id`
+                ORDER BY c.id) FILTER (WHERE c.id IS NOT NULL)
+FROM input i
+LEFT JOIN conv ON conv.id = i.conversation_id
+LEFT JOIN claimed c ON c.conversation_id = i.conversation_id
+LEFT JOIN messages m ON m.id = c.message_id
+GROUP BY i.conversation_id, conv.id`
 
 // claim takes every available pending row of the conversation for run, in id order, unless
 // another run holds the conversation. The returned ids define the turn.
+func (s *store) claim(ctx context.Context, conversationID, runID string) (claim, error) {
+	cs, err := s.claimMany(ctx, []claimReq{{conversationID, runID}})
+	if err != nil {
+		return claim{}, err
+	}
+	return cs[0], nil
+}
+
+// claimMany claims several conversations, each for its own run, in one round trip (see
+// claim). The conversations must be distinct.
 //
 // Both statements go in one pipelined batch, which Postgres runs as one implicit transaction:
-// the lock is held until the claim commits, and the claim statement still gets a snapshot of
-// its own, taken after the lock.
-func (s *store) claim(ctx context.Context, conversationID, runID string) (claim, error) {
-	var c claim
-	batch := &pgx.Batch{}
-	batch.Queue(lockConversationSQL, conversationID)
-	batch.Queue(claimSQL, conversationID, runID, s.lease.Milliseconds(), s.worker)
-	br := s.pool.SendBatch(ctx, batch)
-	var id string
-	err := br.QueryRow().Scan(&id)
-	if errors.Is(err, pgx.ErrNoRows) {
-		err = nil // held by a concurrent claimer, or deleted: the claim below takes nothing
+// the locks are held until the claim commits, and the claim statement still gets a snapshot of
+// its own, taken after the locks.
+func (s *store) claimMany(ctx context.Context, reqs []claimReq) ([]claim, error) {
+	convs := make([]string, len(reqs))
+	runs := make([]string, len(reqs))
+	for i, r := range reqs {
+		convs[i], runs[i] = r.conversationID, r.runID
 	}
+	batch := &pgx.Batch{}
+	batch.Queue(lockConversationsSQL, convs)
+	batch.Queue(claimSQL, convs, runs, s.lease.Milliseconds(), s.worker)
+	br := s.pool.SendBatch(ctx, batch)
+	byConv := make(map[string]claim, len(reqs))
+	_, err := br.Exec() // held by a concurrent claimer, or deleted: the claim takes nothing there
 	if err == nil {
-		var raw []byte
-		err = br.QueryRow().Scan(&c.locked, &c.busy, &c.ids, &c.attempts, &raw)
-		if err == nil && len(raw) > 0 {
-			err = json.Unmarshal(raw, &c.messages)
+		var rows pgx.Rows
+		rows, err = br.Query()
+		if err == nil {
+			for rows.Next() {
+				var conv string
+				var c claim
+				var raw []byte
+				if err = rows.Scan(&conv, &c.locked, &c.busy, &c.ids, &c.attempts, &raw); err != nil {
+					break
+				}
+				if len(raw) > 0 {
+					if err = json.Unmarshal(raw, &c.messages); err != nil {
+						break
+					}
+				}
+				byConv[conv] = c
+			}
+			rows.Close()
+			if err == nil {
+				err = rows.Err()
+			}
 		}
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
 	if err != nil {
-		return claim{}, fmt.Errorf("claim conversation %q: %w", conversationID, err)
+		if len(reqs) == 1 {
+			return nil, fmt.Errorf("claim conversation %q: %w", reqs[0].conversationID, err)
+		}
+		return nil, fmt.Errorf("claim %d conversations: %w", len(reqs), err)
 	}
-	return c, nil
+	out := make([]claim, len(reqs))
+	for i, r := range reqs {
+		out[i] = byConv[r.conversationID]
+	}
+	return out, nil
 }
 
 // renew extends the lease of run's rows; false means the run lost them (recovered or
@@ -133,40 +196,71 @@ type outcome struct {
 	reason  string // last_error for failures
 }
 
-// finishSQL ends a run in one statement, so in one transaction and one round trip:
-//   - the logical message naming the answered rows, first, for the relay's outcome event (the
-//     reply's insert reads from it, so it is written to the WAL before the reply);
-//   - the reply or error message, whose foreign key fails (23503) when the conversation was
+// finishReq is the end of one run: a reply (role assistant, rows done) or a visible failure
+// (role error, rows error).
+type finishReq struct {
+	conversationID string
+	runID          string
+	ids            []int64
+	outcome
+}
+
+// replyID names the message that ends the run.
+func (r finishReq) replyID() string {
+	if r.role == "error" {
+		return "error:" + r.runID
+	}
+	return "reply:" + r.runID
+}
+
+// finishSQL ends runs in one statement, so in one transaction and one round trip:
+//   - per run, the logical message naming the rows its reply answers, for the relay's outcome
+//     event (the reply's insert reads from it, so it reaches the WAL before the reply);
+//   - the reply or error messages, whose foreign key fails (23503) when a conversation was
 //     deleted meanwhile;
 //   - the claimed rows terminal, fenced by run id: baton_fence raises BT001 unless every one is
-//     still this run's. A deleted conversation is not a lost lease: the fence stands aside when
-//     the conversation row is gone (conv updated nothing), and the foreign key reports it;
-//   - the run's operations attached to the reply, the conversation's metadata, the run's record.
+//     still its run's. A deleted conversation is not a lost lease: the fence stands aside when
+//     a conversation row is gone (conv updated fewer), and the foreign key reports it;
+//   - the runs' operations attached to their replies, the conversations' metadata, the runs'
+//     records.
 //
 // One statement instead of six pipelined ones costs about a quarter less server CPU per turn
-// (measured with pgbench on this schema).
+// (measured with pgbench on this schema). Every table is reached through "= ANY(array)" on an
+// indexed key, so the generic plan probes indexes whatever the batch size.
 const finishSQL = `
-WITH emit AS (
-    SELECT pg_logical_emit_message(true, $6, $7)
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
+        AS i(conversation_id, run_id, status, reply_id, role, content, reason, answers)
+), emit AS (
+    SELECT i.*, pg_logical_emit_message(true, $10, i.answers) FROM input i
 ), reply AS (
     INSERT INTO messages (id, conversation_id, role, content)
-    SELECT $5, $1, $8, $9 FROM emit
+    SELECT reply_id, conversation_id, role, content FROM emit
     RETURNING id
 ), done AS (
-    UPDATE agent_outbox
-    SET status = $4, processed_at = now(), reply_id = $5, last_error = $10, lease_expires_at = NULL
-    WHERE conversation_id = $1 AND run_id = $2 AND id = ANY($3) AND status = 'processing'
+    UPDATE agent_outbox o
+    SET status = i.status, processed_at = now(), reply_id = i.reply_id, last_error = i.reason,
+        lease_expires_at = NULL
+    FROM input i
+    WHERE o.id = ANY($9) AND o.conversation_id = i.conversation_id AND o.run_id = i.run_id
+      AND o.status = 'processing'
     RETURNING 1
 ), ops AS (
-    UPDATE operations SET message_id = $5 WHERE run_id = $2 AND message_id IS NULL
+    UPDATE operations op SET message_id = i.reply_id
+    FROM input i
+    WHERE op.run_id = ANY($2) AND op.run_id = i.run_id AND op.message_id IS NULL
 ), conv AS (
-    UPDATE conversations SET last_message_at = now(), unread_count = unread_count + 1 WHERE id = $1
+    UPDATE conversations c SET last_message_at = now(), unread_count = c.unread_count + 1
+    FROM input i
+    WHERE c.id = ANY($1) AND c.id = i.conversation_id
     RETURNING 1
 ), run AS (
-    UPDATE agent_runs SET finished_at = clock_timestamp(), outcome = $4, error = $10 WHERE run_id = $2
+    UPDATE agent_runs r SET finished_at = clock_timestamp(), outcome = i.status, error = i.reason
+    FROM input i
+    WHERE r.run_id = ANY($2) AND r.run_id = i.run_id
 )
-SELECT baton_fence(count(*) = cardinality($3::bigint[]) OR NOT EXISTS (SELECT FROM conv),
-                   'run ' || $2 || ' no longer owns its rows')
+SELECT baton_fence(count(*) = cardinality($9::bigint[]) OR (SELECT count(*) FROM conv) < cardinality($1::text[]),
+                   'a run no longer owns its rows')
 FROM done`
 
 // finish commits the end of run in one transaction: the logical message naming the answered
@@ -175,28 +269,73 @@ FROM done`
 // any claimed row is no longer this run's, and with errConversationGone when the conversation
 // was deleted; either way nothing is written.
 func (s *store) finish(ctx context.Context, conversationID, runID string, ids []int64, o outcome) (string, error) {
-	replyID := "reply:" + runID
-	status := "done"
-	if o.role == "error" {
-		replyID, status = "error:"+runID, "error"
-	}
-	answers, _ := json.Marshal(struct {
-		MessageID string  `json:"message_id"`
-		OutboxIDs []int64 `json:"outbox_ids"`
-	}{replyID, ids})
-	_, err := s.pool.Exec(ctx, finishSQL, conversationID, runID, ids, status, replyID,
-		relay.AnswersPrefix, string(answers), o.role, o.content, nullIfEmpty(o.reason))
+	r := finishReq{conversationID: conversationID, runID: runID, ids: ids, outcome: o}
+	return r.replyID(), s.finishOne(ctx, r)
+}
+
+func (s *store) finishOne(ctx context.Context, r finishReq) error {
+	err := s.finishAll(ctx, []finishReq{r})
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "23503" { // foreign_key_violation
-		return "", errConversationGone
+		return errConversationGone
 	}
 	if errors.As(err, &pgErr) && pgErr.Code == "BT001" { // baton_fence
-		return "", errLeaseLost
+		return errLeaseLost
 	}
 	if err != nil {
-		return "", fmt.Errorf("finish run %s: %w", runID, err)
+		return fmt.Errorf("finish run %s: %w", r.runID, err)
 	}
-	return replyID, nil
+	return nil
+}
+
+// finishMany ends several runs (of distinct conversations) in one statement and returns each
+// one's error (see finish). When the batch fails as a whole because one run lost its lease or
+// its conversation, the runs are finished one by one, so the others still commit.
+func (s *store) finishMany(ctx context.Context, reqs []finishReq) ([]error, error) {
+	errs := make([]error, len(reqs))
+	if len(reqs) == 1 {
+		errs[0] = s.finishOne(ctx, reqs[0])
+		return errs, nil
+	}
+	err := s.finishAll(ctx, reqs)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code == "23503" || pgErr.Code == "BT001") {
+		for i, r := range reqs {
+			errs[i] = s.finishOne(ctx, r)
+		}
+		return errs, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("finish %d runs: %w", len(reqs), err)
+	}
+	return errs, nil
+}
+
+// finishAll runs finishSQL for reqs: all commit, or none.
+func (s *store) finishAll(ctx context.Context, reqs []finishReq) error {
+	n := len(reqs)
+	convs, runs, statuses, replies := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	roles, contents, reasons, answers := make([]string, n), make([]string, n), make([]*string, n), make([]string, n)
+	var ids []int64
+	for i, r := range reqs {
+		convs[i], runs[i], replies[i], roles[i], contents[i] = r.conversationID, r.runID, r.replyID(), r.role, r.content
+		statuses[i] = "done"
+		if r.role == "error" {
+			statuses[i] = "error"
+		}
+		if r.reason != "" {
+			reasons[i] = &r.reason
+		}
+		a, _ := json.Marshal(struct {
+			MessageID string  `json:"message_id"`
+			OutboxIDs []int64 `json:"outbox_ids"`
+		}{replies[i], r.ids})
+		answers[i] = string(a)
+		ids = append(ids, r.ids...)
+	}
+	_, err := s.pool.Exec(ctx, finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids,
+		relay.AnswersPrefix)
+	return err
 }
 
 // release puts run's rows back to pending after a failed attempt with no side effect; they

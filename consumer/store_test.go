@@ -139,3 +139,126 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "done", scalar[string](t, db, `SELECT status FROM agent_outbox WHERE conversation_id = 'c'`))
 }
+
+// One claim statement serves many conversations: each gets its own run, a conversation held by
+// a concurrent claimer is reported not locked, a busy one busy, and neither is claimed.
+func TestClaimManyConversations(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('held'), ('busy'), ('empty')`)
+	require.NoError(t, err)
+	send(t, db, "c", "c1", "c2")
+	send(t, db, "held", "h1")
+	send(t, db, "busy", "b1")
+	_, err = s.claim(ctx, "busy", "00000000-0000-4000-8000-0000000000b0")
+	require.NoError(t, err)
+	send(t, db, "busy", "b2")
+
+	// Another claimer holds "held" for the length of our claim.
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, `SELECT 1 FROM conversations WHERE id = 'held' FOR NO KEY UPDATE`)
+	require.NoError(t, err)
+
+	runs := []string{"00000000-0000-4000-8000-0000000000c1", "00000000-0000-4000-8000-0000000000c2",
+		"00000000-0000-4000-8000-0000000000c3", "00000000-0000-4000-8000-0000000000c4", "00000000-0000-4000-8000-0000000000c5"}
+	got, err := s.claimMany(ctx, []claimReq{{"c", runs[0]}, {"held", runs[1]}, {"busy", runs[2]}, {"empty", runs[3]}, {"gone", runs[4]}})
+	require.NoError(t, err)
+	require.Len(t, got, 5)
+	require.True(t, got[0].locked)
+	require.Len(t, got[0].ids, 2)
+	require.Equal(t, []string{"c1", "c2"}, []string{got[0].messages[0].ID, got[0].messages[1].ID})
+	require.False(t, got[1].locked, "held by another claimer")
+	require.Empty(t, got[1].ids)
+	require.True(t, got[2].locked)
+	require.True(t, got[2].busy, "a run holds it")
+	require.Empty(t, got[2].ids)
+	require.True(t, got[3].locked)
+	require.Empty(t, got[3].ids)
+	require.False(t, got[4].locked, "no such conversation")
+	require.Equal(t, runs[0], scalar[string](t, db, `SELECT run_id::text FROM agent_runs WHERE conversation_id = 'c'`))
+	require.Equal(t, 1, scalar[int](t, db, `SELECT count(*) FROM agent_runs WHERE conversation_id <> 'busy'`), "one run: the claimed conversation's")
+}
+
+// The claim statement claims only conversations that the lock statement before it locked in
+// the same transaction. Locking on its own, it could take a lock freed after its snapshot was
+// taken, not see the claim that just committed, and claim the conversation a second time.
+func TestClaimStatementTakesOnlyLockedConversations(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	send(t, db, "c", "m1")
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, `SELECT set_config('baton.claim_locked', '[]', true)`) // the lock statement got nothing
+	require.NoError(t, err)
+	var conv string
+	var locked, busy bool
+	var ids []int64
+	var attempts int
+	var raw []byte
+	require.NoError(t, tx.QueryRow(ctx, claimSQL, []string{"c"}, []string{"00000000-0000-4000-8000-000000000004"},
+		s.lease.Milliseconds(), s.worker).Scan(&conv, &locked, &busy, &ids, &attempts, &raw))
+	require.False(t, locked)
+	require.Empty(t, ids)
+	require.NoError(t, tx.Rollback(ctx))
+	require.Equal(t, "pending", scalar[string](t, db, `SELECT status FROM agent_outbox`))
+}
+
+// Runs ending together share one statement; when one of them lost its lease or its
+// conversation, the others still commit and each gets its own error.
+func TestFinishManyIsolatesFailedRuns(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('lost'), ('gone'), ('d')`)
+	require.NoError(t, err)
+	var reqs []finishReq
+	for i, conv := range []string{"c", "lost", "gone", "d"} {
+		send(t, db, conv, conv+"-m")
+		run := fmt.Sprintf("00000000-0000-4000-8000-%012d", 100+i)
+		c, err := s.claim(ctx, conv, run)
+		require.NoError(t, err)
+		require.Len(t, c.ids, 1)
+		reqs = append(reqs, finishReq{conv, run, c.ids, outcome{role: "assistant", content: "re " + conv}})
+	}
+	_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET run_id = gen_random_uuid() WHERE conversation_id = 'lost'`)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `DELETE FROM conversations WHERE id = 'gone'`)
+	require.NoError(t, err)
+
+	errs, err := s.finishMany(ctx, reqs)
+	require.NoError(t, err)
+	require.NoError(t, errs[0])
+	require.ErrorIs(t, errs[1], errLeaseLost)
+	require.ErrorIs(t, errs[2], errConversationGone)
+	require.NoError(t, errs[3])
+	require.Equal(t, []string{"c", "d"}, query[string](t, db, `SELECT conversation_id FROM agent_outbox WHERE status = 'done' ORDER BY 1`))
+	require.Equal(t, []string{"re c", "re d"}, query[string](t, db, `SELECT content FROM messages WHERE role = 'assistant' ORDER BY 1`))
+
+	// All good: one statement ends them all.
+	var more []finishReq
+	for i, conv := range []string{"e1", "e2", "e3"} {
+		_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ($1)`, conv)
+		require.NoError(t, err)
+		send(t, db, conv, conv+"-m")
+		run := fmt.Sprintf("00000000-0000-4000-8000-%012d", 200+i)
+		c, err := s.claim(ctx, conv, run)
+		require.NoError(t, err)
+		more = append(more, finishReq{conv, run, c.ids, outcome{role: "error", content: "failed " + conv, reason: "r"}})
+	}
+	errs, err = s.finishMany(ctx, more)
+	require.NoError(t, err)
+	require.Equal(t, []error{nil, nil, nil}, errs)
+	require.Equal(t, 3, scalar[int](t, db, `SELECT count(*) FROM agent_outbox WHERE status = 'error' AND last_error = 'r'`))
+	require.Equal(t, 3, scalar[int](t, db, `SELECT count(*) FROM agent_runs WHERE outcome = 'error'`))
+}
+
+func query[T any](t *testing.T, db *testsvc.Database, sql string, args ...any) []T {
+	t.Helper()
+	rows, err := db.Pool.Query(context.Background(), sql, args...)
+	require.NoError(t, err)
+	out, err := pgx.CollectRows(rows, pgx.RowTo[T])
+	require.NoError(t, err)
+	return out
+}

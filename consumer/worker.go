@@ -17,6 +17,13 @@ import (
 	"golang.org/x/sync/errgroup"
 )
 
+// batchRunners is how many claim (and final commit) statements a worker runs at once, and
+// maxBatch how many conversations one of them takes at most.
+const (
+	batchRunners = 2
+	maxBatch     = 32
+)
+
 // errStopping cancels turns still running ShutdownGrace after the worker was told to stop.
 var errStopping = errors.New("worker stopping")
 
@@ -25,6 +32,11 @@ type Worker struct {
 	cfg   Config
 	store *store
 	m     *metrics
+
+	// claims and finishes share round trips between conversations (see batcher); they run
+	// while Run does.
+	claims   *batcher[claimReq, claim]
+	finishes *batcher[finishReq, error]
 
 	sem   chan struct{}
 	mu    sync.Mutex
@@ -65,6 +77,10 @@ func New(cfg Config) (*Worker, error) {
 // RecoveryInterval. When ctx ends it stops taking work, gives running turns ShutdownGrace to
 // finish (then cancels them and releases their rows), and returns nil.
 func (w *Worker) Run(ctx context.Context) error {
+	w.claims = newBatcher(batchRunners, maxBatch, 30*time.Second, w.store.claimMany)
+	defer w.claims.close()
+	w.finishes = newBatcher(batchRunners, maxBatch, 30*time.Second, w.store.finishMany)
+	defer w.finishes.close()
 	w.recoverOnce(ctx)
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return w.every(gctx, w.cfg.RecoveryInterval, w.recoverOnce) })
@@ -236,7 +252,7 @@ func (w *Worker) conversationLoop(ctx context.Context, conv string) {
 			return
 		}
 		runID := newRunID()
-		c, err := w.store.claim(ctx, conv, runID)
+		c, err := w.claims.do(ctx, claimReq{conv, runID})
 		var settled bool
 		if err == nil && len(c.ids) > 0 {
 			settled = w.runTurn(ctx, conv, runID, c)
@@ -423,7 +439,7 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) bool 
 	switch {
 	case herr == nil:
 		result = "done"
-		_, err = w.store.finish(dbCtx, conv, runID, c.ids, outcome{role: "assistant", content: reply.Content})
+		err = w.finish(dbCtx, finishReq{conv, runID, c.ids, outcome{role: "assistant", content: reply.Content}})
 	case errors.Is(context.Cause(turnCtx), errStopping):
 		// Not the turn's fault: hand the rows back for another worker, unless a write tool ran.
 		result, err = w.stopped(dbCtx, conv, runID, c, herr)
@@ -471,6 +487,16 @@ func (w *Worker) callHandler(ctx context.Context, t *Turn) (reply Reply, err err
 	return w.cfg.Handler(ctx, t)
 }
 
+// finish commits the end of a run, sharing the statement with other runs ending at the same
+// moment.
+func (w *Worker) finish(ctx context.Context, r finishReq) error {
+	runErr, err := w.finishes.do(ctx, r)
+	if err != nil {
+		return err
+	}
+	return runErr
+}
+
 // stopped ends a turn cut short by shutdown: its rows go back to pending at once, the attempt
 // not counted; a turn whose write tool ran or may have run still fails visibly.
 func (w *Worker) stopped(ctx context.Context, conv, runID string, c claim, herr error) (string, error) {
@@ -504,9 +530,8 @@ func (w *Worker) fail(ctx context.Context, conv, runID string, c claim, herr err
 		finished_at = now() WHERE run_id = $1 AND status = 'running'`, runID); err != nil {
 		return "", fmt.Errorf("close operations of run %s: %w", runID, err)
 	}
-	_, err = w.store.finish(ctx, conv, runID, c.ids, outcome{role: "error",
-		content: "Sorry, this request failed: " + reason, reason: reason})
-	return "error", err
+	return "error", w.finish(ctx, finishReq{conv, runID, c.ids, outcome{role: "error",
+		content: "Sorry, this request failed: " + reason, reason: reason}})
 }
 
 // keepLease renews the run's lease every Lease/3 and marks held events in progress, until
