@@ -36,8 +36,9 @@ type Config struct {
 	// Name identifies this worker in agent_runs. Default: host name and process id.
 	Name string
 
-	// Debounce is how long a worker waits after the first event of an idle conversation before
-	// claiming, so a burst of messages becomes one turn. Default 5ms.
+	// Debounce is how long after the first message of an idle conversation was written a worker
+	// claims, so a burst of messages becomes one turn. The time the event took to reach the
+	// worker counts toward it; a worker never waits longer than Debounce. Default 5ms.
 	Debounce time.Duration
 	// Lease is how long a claim holds its rows without renewal; it is renewed every Lease/3
 	// while the turn runs. Default 30s.

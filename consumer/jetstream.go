@@ -83,5 +83,5 @@ func (w *Worker) onEvent(ctx context.Context, msg jetstream.Msg) {
 	if md, err := msg.Metadata(); err == nil {
 		seq = md.Sequence.Stream
 	}
-	w.schedule(ctx, ev.ConversationID, &event{outboxID: id, seq: seq, msg: msg})
+	w.schedule(ctx, ev.ConversationID, &event{outboxID: id, seq: seq, msg: msg}, ev.CreatedAt)
 }

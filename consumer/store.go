@@ -44,7 +44,8 @@ type claim struct {
 // transaction, which ones it got; SKIP LOCKED makes a concurrent claimer give up at once
 // instead of queueing behind us.
 const lockConversationsSQL = `
-SELECT set_config('baton.claim_locked', coalesce(json_agg(id), '[]')::text, true)
+SELECT set_config('baton.claim_locked', coalesce(json_agg(id), '[]')::text, true),
+       set_config('plan_cache_mode', 'force_generic_plan', true)
 FROM (SELECT id FROM conversations WHERE id = ANY($1) FOR NO KEY UPDATE SKIP LOCKED) locked`
 
 // claimSQL runs as the second statement of the claim transaction, so its snapshot is taken
@@ -196,6 +197,13 @@ type outcome struct {
 	reason  string // last_error for failures
 }
 
+// genericPlansSQL makes the statements after it in the transaction run their cached generic
+// plan. Postgres otherwise keeps planning the claim and final-commit statements afresh on
+// every execution (about a millisecond each): their generic plans, costed for arrays of
+// unknown length, never look cheaper than a custom plan for a one-element array, though
+// they are the same index probes.
+const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true)`
+
 // finishReq is the end of one run: a reply (role assistant, rows done) or a visible failure
 // (role error, rows error).
 type finishReq struct {
@@ -333,9 +341,10 @@ func (s *store) finishAll(ctx context.Context, reqs []finishReq) error {
 		answers[i] = string(a)
 		ids = append(ids, r.ids...)
 	}
-	_, err := s.pool.Exec(ctx, finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids,
-		relay.AnswersPrefix)
-	return err
+	batch := &pgx.Batch{}
+	batch.Queue(genericPlansSQL)
+	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, relay.AnswersPrefix)
+	return s.pool.SendBatch(ctx, batch).Close()
 }
 
 // release puts run's rows back to pending after a failed attempt with no side effect; they

@@ -140,7 +140,7 @@ func (w *Worker) recoverOnce(ctx context.Context) {
 		w.cfg.Logger.Warn("recovered an expired run", "run_id", run, "conversation_id", r.conversationID,
 			"outbox_ids", r.ids, "result", result, "reason", r.reason)
 		if !r.failed {
-			w.schedule(ctx, r.conversationID, nil)
+			w.schedule(ctx, r.conversationID, nil, time.Time{})
 		}
 	}
 }
@@ -168,7 +168,7 @@ func (w *Worker) poll(ctx context.Context) error {
 func (w *Worker) sweep(minAge time.Duration) func(context.Context) bool {
 	return func(ctx context.Context) bool {
 		limit := 4 * w.cfg.MaxConcurrentTurns
-		rows, err := w.store.pool.Query(ctx, `SELECT conversation_id FROM agent_outbox
+		rows, err := w.store.pool.Query(ctx, `SELECT conversation_id, min(created_at) FROM agent_outbox
 			WHERE status = 'pending' AND available_at <= now() AND created_at <= now() - $1 * interval '1 millisecond'
 			GROUP BY conversation_id ORDER BY min(id) LIMIT $2`, minAge.Milliseconds(), limit)
 		if err != nil {
@@ -177,7 +177,14 @@ func (w *Worker) sweep(minAge time.Duration) func(context.Context) bool {
 			}
 			return false
 		}
-		convs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		type pending struct {
+			conv  string
+			since time.Time
+		}
+		convs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (pending, error) {
+			var p pending
+			return p, r.Scan(&p.conv, &p.since)
+		})
 		if err != nil {
 			if ctx.Err() == nil {
 				w.cfg.Logger.Error("look for pending rows", "error", err)
@@ -186,7 +193,7 @@ func (w *Worker) sweep(minAge time.Duration) func(context.Context) bool {
 		}
 		mrand.Shuffle(len(convs), func(i, j int) { convs[i], convs[j] = convs[j], convs[i] })
 		for _, c := range convs {
-			w.schedule(ctx, c, nil)
+			w.schedule(ctx, c.conv, nil, c.since)
 		}
 		var age float64
 		if err := w.store.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)
@@ -198,8 +205,9 @@ func (w *Worker) sweep(minAge time.Duration) func(context.Context) bool {
 }
 
 // schedule hands an event (or, with ev nil, a hint that rows may be pending) to the
-// conversation's loop, starting one if none runs.
-func (w *Worker) schedule(ctx context.Context, conversationID string, ev *event) {
+// conversation's loop, starting one if none runs. since is when the work was written (zero:
+// unknown); a new loop claims Debounce after it.
+func (w *Worker) schedule(ctx context.Context, conversationID string, ev *event, since time.Time) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	st := w.convs[conversationID]
@@ -225,7 +233,7 @@ func (w *Worker) schedule(ctx context.Context, conversationID string, ev *event)
 	}
 	st.active = true
 	w.loops.Add(1)
-	go w.conversationLoop(ctx, conversationID)
+	go w.conversationLoop(ctx, conversationID, since)
 }
 
 // conversationLoop claims and runs turns for one conversation until nothing is left for it
@@ -233,10 +241,10 @@ func (w *Worker) schedule(ctx context.Context, conversationID string, ev *event)
 //
 // Delivery rule: a held event is acked only once its row is terminal (done or error) or gone;
 // until then it is kept, or nacked with a delay so JetStream redelivers it later.
-func (w *Worker) conversationLoop(ctx context.Context, conv string) {
+func (w *Worker) conversationLoop(ctx context.Context, conv string, since time.Time) {
 	defer w.loops.Done()
 	log := w.cfg.Logger.With("conversation_id", conv)
-	if !sleep(ctx, w.cfg.Debounce) {
+	if !sleep(ctx, debounce(w.cfg.Debounce, since, time.Now())) {
 		w.drop(conv)
 		return
 	}
@@ -587,6 +595,16 @@ func young(ev event, now time.Time) bool {
 	}
 	md, err := ev.msg.Metadata()
 	return err == nil && now.Sub(md.Timestamp) < missingGrace
+}
+
+// debounce is how long to wait before claiming work written at since: the rest of the window
+// that opened when the first message was written, so the time the event took to arrive counts.
+// The wait stays within [0, window] whatever the clocks of database, server and worker say.
+func debounce(window time.Duration, since, now time.Time) time.Duration {
+	if since.IsZero() {
+		return window
+	}
+	return min(max(since.Add(window).Sub(now), 0), window)
 }
 
 func sleep(ctx context.Context, d time.Duration) bool {
