@@ -1,7 +1,9 @@
 package relay
 
 import (
+	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -51,6 +53,57 @@ type decoder struct {
 	// answers maps a reply's message id to the outbox ids it answers, for the current
 	// transaction (see AnswersPrefix).
 	answers map[string][]int64
+	cols    []tupleColumn // reused by every insert
+}
+
+// tupleColumn is one column of a pgoutput tuple: kind 'n' (null), 'u' (unchanged TOAST),
+// 't' (text) or 'b' (binary), and for 't' and 'b' the bytes, which point into the message.
+type tupleColumn struct {
+	kind byte
+	data []byte
+}
+
+// errTruncated is wrapped by decode errors of a message that ends before its contents do.
+var errTruncated = errors.New("pgoutput message ends early")
+
+// decodeInsert decodes the body of a pgoutput insert message (after its 'I'): the relation id
+// and the new tuple's columns, appended to cols. The columns' data alias src.
+func decodeInsert(src []byte, cols []tupleColumn) (uint32, []tupleColumn, error) {
+	if len(src) < 7 {
+		return 0, cols, fmt.Errorf("%w: insert message of %d bytes", errTruncated, len(src))
+	}
+	relID := binary.BigEndian.Uint32(src)
+	if src[4] != 'N' {
+		return 0, cols, fmt.Errorf("insert tuple type %q, want 'N'", src[4])
+	}
+	n := int(binary.BigEndian.Uint16(src[5:]))
+	src = src[7:]
+	for i := range n {
+		if len(src) < 1 {
+			return 0, cols, fmt.Errorf("%w: insert column %d of %d", errTruncated, i, n)
+		}
+		c := tupleColumn{kind: src[0]}
+		src = src[1:]
+		switch c.kind {
+		case 'n', 'u':
+		case 't', 'b':
+			if len(src) < 4 {
+				return 0, cols, fmt.Errorf("%w: insert column %d's length", errTruncated, i)
+			}
+			size := binary.BigEndian.Uint32(src)
+			if uint64(size) > uint64(len(src)-4) {
+				return 0, cols, fmt.Errorf("%w: insert column %d of %d bytes, %d left", errTruncated, i, size, len(src)-4)
+			}
+			c.data, src = src[4:4+size:4+size], src[4+size:]
+		default:
+			return 0, cols, fmt.Errorf("insert column %d: unknown kind %q", i, c.kind)
+		}
+		cols = append(cols, c)
+	}
+	if len(src) != 0 {
+		return 0, cols, fmt.Errorf("insert message has %d bytes after its tuple", len(src))
+	}
+	return relID, cols, nil
 }
 
 func newDecoder(schema, prefix string, maxPayload int) *decoder {
@@ -63,6 +116,16 @@ func newDecoder(schema, prefix string, maxPayload int) *decoder {
 }
 
 func (d *decoder) decode(walData []byte) (item, error) {
+	if len(walData) > 0 && walData[0] == 'I' {
+		// Inserts are most of the stream: decoded in place, without pglogrepl's allocation
+		// and copy per column.
+		relID, cols, err := decodeInsert(walData[1:], d.cols[:0])
+		if err != nil {
+			return item{}, fmt.Errorf("parse pgoutput insert: %w", err)
+		}
+		d.cols = cols
+		return d.insert(relID, cols)
+	}
 	msg, err := pglogrepl.Parse(walData)
 	if err != nil {
 		return item{}, fmt.Errorf("parse pgoutput message: %w", err)
@@ -90,8 +153,6 @@ func (d *decoder) decode(walData []byte) (item, error) {
 			}
 			d.answers[a.MessageID] = a.OutboxIDs
 		}
-	case *pglogrepl.InsertMessage:
-		return d.insert(m)
 	case *pglogrepl.UpdateMessage, *pglogrepl.DeleteMessage, *pglogrepl.TruncateMessage:
 		// The publication publishes inserts only; another publication setting sends these.
 		return item{kind: itemIgnored}, nil
@@ -119,37 +180,37 @@ func newRelation(m *pglogrepl.RelationMessage, schema string) *relation {
 	return r
 }
 
-// value returns the text of column name in tuple; NULL and a missing column are "".
-func (r *relation) value(t *pglogrepl.TupleData, name string) (string, error) {
+// value returns the text of column name in tuple; NULL is "", a missing column an error.
+func (r *relation) value(t []tupleColumn, name string) (string, error) {
 	i, ok := r.pos[name]
-	if !ok || i >= len(t.Columns) {
+	if !ok || i >= len(t) {
 		return "", fmt.Errorf("%s.%s has no column %s", r.msg.Namespace, r.msg.RelationName, name)
 	}
-	switch c := t.Columns[i]; c.DataType {
+	switch c := t[i]; c.kind {
 	case 't':
-		return string(c.Data), nil
+		return string(c.data), nil
 	case 'n':
 		return "", nil
 	default:
-		return "", fmt.Errorf("%s.%s column %s: unexpected tuple data type %q", r.msg.Namespace, r.msg.RelationName, name, c.DataType)
+		return "", fmt.Errorf("%s.%s column %s: unexpected tuple data type %q", r.msg.Namespace, r.msg.RelationName, name, c.kind)
 	}
 }
 
-func (d *decoder) insert(m *pglogrepl.InsertMessage) (item, error) {
-	rel, ok := d.relations[m.RelationID]
+func (d *decoder) insert(relID uint32, tuple []tupleColumn) (item, error) {
+	rel, ok := d.relations[relID]
 	if !ok {
-		return item{}, fmt.Errorf("insert into relation %d before its relation message", m.RelationID)
+		return item{}, fmt.Errorf("insert into relation %d before its relation message", relID)
 	}
 	if rel.kind == "" {
 		return item{kind: itemIgnored}, nil
 	}
-	if m.Tuple == nil || len(m.Tuple.Columns) != len(rel.msg.Columns) {
+	if len(tuple) != len(rel.msg.Columns) {
 		return item{}, fmt.Errorf("%s.%s: tuple has %d columns, relation %d",
-			rel.msg.Namespace, rel.msg.RelationName, tupleLen(m.Tuple), len(rel.msg.Columns))
+			rel.msg.Namespace, rel.msg.RelationName, len(tuple), len(rel.msg.Columns))
 	}
 	col := func(name string, dst *string, err *error) {
 		if *err == nil {
-			*dst, *err = rel.value(m.Tuple, name)
+			*dst, *err = rel.value(tuple, name)
 		}
 	}
 	var err error
@@ -208,16 +269,12 @@ func (d *decoder) insert(m *pglogrepl.InsertMessage) (item, error) {
 	}
 }
 
-func tupleLen(t *pglogrepl.TupleData) int {
-	if t == nil {
-		return 0
-	}
-	return len(t.Columns)
-}
-
 // parseTimestamptz parses timestamptz in Postgres' text output (DateStyle ISO), whatever the
 // session time zone's offset form (+00, +05:30, -03:30:12). The relay's sessions use UTC.
 func parseTimestamptz(s string) (time.Time, error) {
+	if t, ok := parseUTCTimestamptz(s); ok {
+		return t, nil
+	}
 	layout := "2006-01-02 15:04:05.999999999-07"
 	if i := strings.LastIndexAny(s, "+-"); i > 10 {
 		switch len(s) - i {
@@ -232,4 +289,46 @@ func parseTimestamptz(s string) (time.Time, error) {
 		return time.Time{}, fmt.Errorf("parse timestamptz %q: %w", s, err)
 	}
 	return t.UTC(), nil
+}
+
+// parseUTCTimestamptz parses the form the relay's UTC sessions print, "2006-01-02
+// 15:04:05[.fraction]+00", without time.Parse's layout walk; ok is false for any other form.
+func parseUTCTimestamptz(s string) (t time.Time, ok bool) {
+	if len(s) < 22 || s[len(s)-3:] != "+00" || s[4] != '-' || s[7] != '-' || s[10] != ' ' || s[13] != ':' || s[16] != ':' {
+		return time.Time{}, false
+	}
+	num := func(from, to int) int {
+		v := 0
+		for i := from; i < to; i++ {
+			c := s[i]
+			if c < '0' || c > '9' {
+				ok = false
+				return 0
+			}
+			v = v*10 + int(c-'0')
+		}
+		return v
+	}
+	ok = true
+	year, month, day := num(0, 4), num(5, 7), num(8, 10)
+	hour, minute, sec := num(11, 13), num(14, 16), num(17, 19)
+	nsec := 0
+	if frac := s[19 : len(s)-3]; frac != "" {
+		if frac[0] != '.' || len(frac) < 2 || len(frac) > 10 {
+			return time.Time{}, false
+		}
+		nsec = num(20, len(s)-3)
+		for range 10 - len(frac) {
+			nsec *= 10
+		}
+	}
+	// time.Date normalises out-of-range fields; time.Parse rejects them, so leave those to it.
+	if !ok || month < 1 || month > 12 || day < 1 || day > 31 || hour > 23 || minute > 59 || sec > 59 {
+		return time.Time{}, false
+	}
+	t = time.Date(year, time.Month(month), day, hour, minute, sec, nsec, time.UTC)
+	if t.Day() != day {
+		return time.Time{}, false // 31 of a 30-day month and the like
+	}
+	return t, true
 }

@@ -4,58 +4,76 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 )
 
-// pipeline publishes events to JetStream asynchronously and computes the LSN that is safe to
-// confirm to Postgres. One goroutine (run) owns all of its state.
+// pipeline publishes events to JetStream asynchronously (see publisher) and computes the LSN
+// that is safe to confirm to Postgres.
+//
+// Its state is guarded by mu and changed only by add (the reader, in stream order) and reply
+// (nats.go's goroutine, one PubAck at a time): an event is published by the goroutine that
+// frees it, with no hand-off between goroutines on the way from the replication stream to
+// NATS or from a PubAck to the next event of its conversation. run owns the lifecycle: the ack
+// timeout, a graceful drain, and the end of the pipeline.
 //
 // Delivery rules kept here:
 //   - Per-subject order: an event is published only after every earlier event on its subject has
-//     a PubAck. A failed or lost publish therefore can never be overtaken by a later event of the
+//     a PubAck. A failed or lost publish (an error reply, "no responders", or no reply within
+//     AckTimeout) therefore can never be overtaken by a later event of the
 //     same conversation; the session ends and replays from the confirmed LSN, where JetStream's
 //     Nats-Msg-Id deduplication drops what was already stored. Different conversations are
 //     pipelined, up to MaxInFlight events.
 //   - Confirmation: the confirmed LSN is the end LSN of the newest transaction that, with every
 //     transaction before it, has a PubAck for each of its events. A keepalive's WAL end is
 //     confirmed only when it arrives outside a transaction with nothing before it unacknowledged.
+//   - Events of a transaction are published as they arrive, before its commit: the transaction
+//     is confirmed only after its commit, and a replay republishes them under the same ids.
+//   - Once the pipeline failed or stopped, nothing more is published or confirmed.
 type pipeline struct {
-	js         jetstream.JetStream
-	send       func(msg *nats.Msg) error // PublishMsgAsync; tests replace it
+	pub        *publisher                           // nil in tests
+	send       func(msg *nats.Msg, id uint64) error // pub.publish; tests replace it
 	maxPending int
+	lowWater   int // room is signalled when outstanding events drop to this
 	ackTimeout time.Duration
 	m          *metrics
 
-	in   chan []item // one slice per transaction (or per part of a large one)
-	acks chan ackResult
-	done chan struct{} // closed when run returns; late callbacks are dropped
+	room   chan struct{} // cap 1: outstanding events dropped to lowWater
+	failed chan struct{} // closed with the first error (err)
+	idle   chan struct{} // closed when the input ended and every event has its PubAck
+	done   chan struct{} // closed when run returns
 
+	mu sync.Mutex
 	// subjects holds, for each subject with an event in flight, the events queued behind it.
 	// A subject is present while busy; its queue may be empty.
-	subjects map[string][]*pendingEvent
-	byMsg    map[*nats.Msg]*pendingEvent
-	txs      []*txEntry // FIFO of transactions not yet confirmed
-	cur      *txEntry   // the open transaction, nil between transactions
-	inFlight int        // published, no PubAck yet
-	queued   int        // waiting behind an earlier event of the same subject
+	subjects  map[string][]*pendingEvent
+	byID      map[uint64]*pendingEvent // published events by id, until their PubAck
+	nextID    uint64
+	txs       []*txEntry // FIFO of transactions not yet confirmed
+	cur       *txEntry   // the open transaction, nil between transactions
+	inFlight  int        // published, no PubAck yet
+	queued    int        // waiting behind an earlier event of the same subject
+	inputDone bool       // closeInput was called
+	stopped   bool       // failed or run returned: nothing more is published or confirmed
+	err       error
 
 	confirmed *atomic.Uint64
 	acked     atomic.Int64 // events acknowledged (for the caller's progress)
 }
 
+// ackResult is the reply to the publish of event id: nil for a PubAck, else its error.
 type ackResult struct {
-	msg *nats.Msg
-	ack *jetstream.PubAck
+	id  uint64
 	err error
 }
 
 type pendingEvent struct {
 	msg     *nats.Msg
+	id      uint64
 	tx      *txEntry
 	outcome bool
 	omitted bool
@@ -70,92 +88,65 @@ type txEntry struct {
 }
 
 func newPipeline(nc *nats.Conn, cfg *Config, m *metrics, confirmed *atomic.Uint64) (*pipeline, error) {
-	p := &pipeline{
-		maxPending: cfg.MaxInFlight,
-		ackTimeout: cfg.AckTimeout,
-		m:          m,
-		in:         make(chan []item, 4),
-		acks:       make(chan ackResult, cfg.MaxInFlight+16),
-		done:       make(chan struct{}),
-		subjects:   map[string][]*pendingEvent{},
-		byMsg:      map[*nats.Msg]*pendingEvent{},
-		confirmed:  confirmed,
-	}
-	// No per-publish timeout option (it costs a timer per message): run checks the oldest
-	// unacknowledged event on a ticker instead.
-	js, err := jetstream.New(nc,
-		jetstream.WithPublishAsyncMaxPending(cfg.MaxInFlight+16),
-		jetstream.WithPublishAsyncAckHandler(func(_ jetstream.JetStream, msg *nats.Msg, ack *jetstream.PubAck) {
-			p.deliverAck(ackResult{msg: msg, ack: ack})
-		}),
-		jetstream.WithPublishAsyncErrHandler(func(_ jetstream.JetStream, msg *nats.Msg, err error) {
-			p.deliverAck(ackResult{msg: msg, err: err})
-		}),
-	)
+	p := initPipeline(cfg.MaxInFlight, cfg.AckTimeout, m, confirmed)
+	pub, err := newPublisher(nc, p.reply)
 	if err != nil {
-		return nil, fmt.Errorf("jetstream: %w", err)
+		return nil, err
 	}
-	p.js = js
-	p.send = func(msg *nats.Msg) error {
-		_, err := js.PublishMsgAsync(msg)
-		return err
-	}
+	p.pub, p.send = pub, pub.publish
 	return p, nil
 }
 
-// deliverAck runs on nats.go's goroutine and must not block: acks has room for every event
-// that can be in flight, and after run returned nobody reads, so late results are dropped.
-func (p *pipeline) deliverAck(a ackResult) {
-	select {
-	case p.acks <- a:
-	case <-p.done:
+func initPipeline(maxPending int, ackTimeout time.Duration, m *metrics, confirmed *atomic.Uint64) *pipeline {
+	return &pipeline{
+		maxPending: maxPending,
+		// Waking the reader for every PubAck when full would hand the CPU back and forth
+		// per event; it resumes when an eighth of the window is free.
+		lowWater:   maxPending - max(1, maxPending/8),
+		ackTimeout: ackTimeout,
+		m:          m,
+		room:       make(chan struct{}, 1),
+		failed:     make(chan struct{}),
+		idle:       make(chan struct{}),
+		done:       make(chan struct{}),
+		subjects:   map[string][]*pendingEvent{},
+		byID:       map[uint64]*pendingEvent{},
+		confirmed:  confirmed,
 	}
 }
 
 // errDrainTimeout is returned when a graceful stop gave up waiting for PubAcks.
 var errDrainTimeout = errors.New("gave up waiting for PubAcks")
 
-// run publishes what arrives on p.in until it is closed and everything is acknowledged. It
-// returns early with an error when a publish fails, and with nil when abort is closed.
-// drainTimeout bounds the wait after graceful is closed.
+// errStopped is returned to a caller adding to a pipeline that failed or stopped.
+var errStopped = errors.New("pipeline stopped")
+
+// run waits until closeInput was called and every event is acknowledged, and checks the ack
+// timeout meanwhile. It returns early with the pipeline's first error, and with nil when abort
+// is closed. drainTimeout bounds the wait after graceful is closed. When it returns, nothing
+// more is published or confirmed, and the PubAck subscription is gone.
 func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Duration) error {
 	defer func() {
+		p.mu.Lock()
+		p.stopped = true
+		p.mu.Unlock()
 		close(p.done)
-		if p.js != nil {
-			p.js.CleanupPublisher()
+		if p.pub != nil {
+			p.pub.close()
 		}
 		p.m.inFlight.Set(0)
 	}()
-	in := p.in
 	var drainTimer <-chan time.Time
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		if in == nil && p.inFlight == 0 && p.queued == 0 {
-			return nil
-		}
-		recv := in
-		if p.inFlight+p.queued >= p.maxPending {
-			recv = nil // backpressure: the reader blocks, so does the walsender
-		}
 		select {
-		case items, ok := <-recv:
-			if !ok {
-				in = nil
-				continue
-			}
-			for _, it := range items {
-				if err := p.handle(it); err != nil {
-					return err
-				}
-			}
-		case a := <-p.acks:
-			if err := p.ack(a); err != nil {
-				return err
-			}
+		case <-p.idle:
+			return nil
+		case <-p.failed:
+			return p.err // written before failed was closed
 		case now := <-tick.C:
-			p.m.inFlight.Set(float64(p.inFlight + p.queued))
-			if err := p.checkAckTimeout(now); err != nil {
+			if err := p.tick(now); err != nil {
 				return err
 			}
 		case <-graceful:
@@ -169,10 +160,114 @@ func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Durati
 	}
 }
 
+func (p *pipeline) tick(now time.Time) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.m.inFlight.Set(float64(p.inFlight + p.queued))
+	if err := p.checkAckTimeout(now); err != nil {
+		p.fail(err)
+		return err
+	}
+	return nil
+}
+
+// fail records the pipeline's first error and stops it. mu is held.
+func (p *pipeline) fail(err error) {
+	if p.stopped {
+		return
+	}
+	p.stopped = true
+	p.err = err
+	close(p.failed)
+}
+
+// pending returns the events outstanding, for logs.
+func (p *pipeline) pending() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.outstanding()
+}
+
+// outstanding returns the events published or queued and not yet acknowledged. mu is held.
+func (p *pipeline) outstanding() int { return p.inFlight + p.queued }
+
+// add handles one item of the stream, publishing an event at once unless its subject is busy.
+// It returns false, having done nothing, when MaxInFlight events are outstanding: wait for
+// p.room and call it again.
+func (p *pipeline) add(it item) (bool, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.stopped {
+		return false, errStopped
+	}
+	if it.kind == itemEvent && p.outstanding() >= p.maxPending {
+		return false, nil
+	}
+	if err := p.handle(it); err != nil {
+		p.fail(err)
+		return false, err
+	}
+	return true, nil
+}
+
+// closeInput says no item follows; run returns once every event has its PubAck.
+func (p *pipeline) closeInput() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.inputDone = true
+	p.checkIdle()
+}
+
+// checkIdle closes idle when the input ended and nothing is outstanding. mu is held.
+func (p *pipeline) checkIdle() {
+	if p.inputDone && p.outstanding() == 0 {
+		select {
+		case <-p.idle:
+		default:
+			close(p.idle)
+		}
+	}
+}
+
+// reply takes the result of a publish (on nats.go's goroutine). Replies after the pipeline
+// stopped, and to events it does not know, are dropped.
+func (p *pipeline) reply(a ackResult) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.stopped {
+		return
+	}
+	if err := p.ack(a); err != nil {
+		p.fail(err)
+		return
+	}
+	if p.outstanding() == p.lowWater {
+		select {
+		case p.room <- struct{}{}:
+		default:
+		}
+	}
+	p.checkIdle()
+}
+
+// wait blocks until add may have room again, ctx ends or the pipeline stops.
+func (p *pipeline) wait(ctx context.Context) error {
+	select {
+	case <-p.room:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-p.failed:
+		return errStopped
+	case <-p.done:
+		return errStopped
+	}
+}
+
 // checkAckTimeout fails the pipeline when an event waited longer than AckTimeout for its
 // PubAck: the session then restarts from the confirmed LSN.
 func (p *pipeline) checkAckTimeout(now time.Time) error {
-	for _, ev := range p.byMsg {
+	for _, ev := range p.byID {
 		if now.Sub(ev.sentAt) > p.ackTimeout {
 			p.m.errors.WithLabelValues("publish").Inc()
 			return fmt.Errorf("publish %s on %s: no PubAck within %s", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject, p.ackTimeout)
@@ -226,9 +321,11 @@ func (p *pipeline) handle(it item) error {
 
 func (p *pipeline) publish(ev *pendingEvent) error {
 	ev.sentAt = time.Now()
-	p.byMsg[ev.msg] = ev
+	p.nextID++
+	ev.id = p.nextID
+	p.byID[ev.id] = ev
 	p.inFlight++
-	if err := p.send(ev.msg); err != nil {
+	if err := p.send(ev.msg, ev.id); err != nil {
 		p.m.errors.WithLabelValues("publish").Inc()
 		return fmt.Errorf("publish %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), err)
 	}
@@ -236,15 +333,15 @@ func (p *pipeline) publish(ev *pendingEvent) error {
 }
 
 func (p *pipeline) ack(a ackResult) error {
-	ev, ok := p.byMsg[a.msg]
+	ev, ok := p.byID[a.id]
 	if !ok {
-		return nil // a result for an earlier pipeline's message
+		return nil // a reply to nothing this pipeline has in flight
 	}
 	if a.err != nil {
 		p.m.errors.WithLabelValues("publish").Inc()
-		return fmt.Errorf("publish %s on %s: %w", a.msg.Header.Get(nats.MsgIdHdr), a.msg.Subject, a.err)
+		return fmt.Errorf("publish %s on %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject, a.err)
 	}
-	delete(p.byMsg, a.msg)
+	delete(p.byID, a.id)
 	p.inFlight--
 	p.acked.Add(1)
 	now := time.Now()
@@ -299,14 +396,21 @@ func (p *pipeline) confirm(lsn pglogrepl.LSN) {
 	}
 }
 
-// feed sends items to run, giving up when ctx ends or run returned.
-func (p *pipeline) feed(ctx context.Context, it ...item) error {
-	select {
-	case p.in <- it:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-p.done:
-		return errors.New("pipeline stopped")
+// feed adds items, waiting for room as needed, until ctx ends or the pipeline stops.
+func (p *pipeline) feed(ctx context.Context, items ...item) error {
+	for _, it := range items {
+		for {
+			ok, err := p.add(it)
+			if err != nil {
+				return err
+			}
+			if ok {
+				break
+			}
+			if err := p.wait(ctx); err != nil {
+				return err
+			}
+		}
 	}
+	return nil
 }

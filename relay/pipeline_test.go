@@ -15,6 +15,7 @@ import (
 type fakePipeline struct {
 	*pipeline
 	sent []*nats.Msg
+	ids  map[*nats.Msg]uint64 // the id each message was published with
 }
 
 func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
@@ -22,15 +23,13 @@ func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
 	var confirmed atomic.Uint64
 	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}, MaxInFlight: maxPending}
 	require.NoError(t, cfg.fill())
-	p := &pipeline{
-		maxPending: maxPending,
-		m:          newMetrics(nil),
-		subjects:   map[string][]*pendingEvent{},
-		byMsg:      map[*nats.Msg]*pendingEvent{},
-		confirmed:  &confirmed,
+	p := initPipeline(maxPending, cfg.AckTimeout, newMetrics(nil), &confirmed)
+	f := &fakePipeline{pipeline: p, ids: map[*nats.Msg]uint64{}}
+	p.send = func(msg *nats.Msg, id uint64) error {
+		f.sent = append(f.sent, msg)
+		f.ids[msg] = id
+		return nil
 	}
-	f := &fakePipeline{pipeline: p}
-	p.send = func(msg *nats.Msg) error { f.sent = append(f.sent, msg); return nil }
 	return f
 }
 
@@ -43,7 +42,9 @@ func (f *fakePipeline) step(t *testing.T, items ...item) {
 
 func (f *fakePipeline) ackMsg(t *testing.T, m *nats.Msg) {
 	t.Helper()
-	require.NoError(t, f.ack(ackResult{msg: m}))
+	id, ok := f.ids[m]
+	require.True(t, ok, "acknowledging a message never published")
+	require.NoError(t, f.ack(ackResult{id: id}))
 }
 
 func (f *fakePipeline) lsn() pglogrepl.LSN { return pglogrepl.LSN(f.confirmed.Load()) }
@@ -120,7 +121,63 @@ func TestPublishErrorEndsThePipeline(t *testing.T) {
 	f := newFakePipeline(t, 100)
 	e1, m1 := event("a")
 	f.step(t, begin(), e1, commit(10))
-	err := f.ack(ackResult{msg: m1, err: errors.New("boom")})
+	err := f.ack(ackResult{id: f.ids[m1], err: errors.New("boom")})
 	require.ErrorContains(t, err, "boom")
 	require.Zero(t, f.lsn())
+}
+
+func TestAddWaitsForRoomBelowTheLowWaterMark(t *testing.T) {
+	f := newFakePipeline(t, 8)
+	f.step(t, begin())
+	var msgs []*nats.Msg
+	for i := range 8 {
+		e, m := event(string(rune('a' + i)))
+		ok, err := f.add(e)
+		require.NoError(t, err)
+		require.True(t, ok)
+		msgs = append(msgs, m)
+	}
+	e, _ := event("z")
+	ok, err := f.add(e)
+	require.NoError(t, err)
+	require.False(t, ok, "MaxInFlight events are outstanding")
+	f.reply(ackResult{id: f.ids[msgs[0]]})
+	select {
+	case <-f.room:
+	default:
+		t.Fatal("room not signalled at the low-water mark")
+	}
+	ok, err = f.add(e)
+	require.NoError(t, err)
+	require.True(t, ok)
+}
+
+func TestNothingIsPublishedOrConfirmedAfterAFailure(t *testing.T) {
+	f := newFakePipeline(t, 100)
+	a1, ma1 := event("a")
+	a2, _ := event("a")
+	b1, mb1 := event("b")
+	f.step(t, begin(), a1, a2, b1, commit(10))
+	f.reply(ackResult{id: f.ids[mb1], err: errors.New("boom")})
+	select {
+	case <-f.failed:
+	default:
+		t.Fatal("a failed publish must stop the pipeline")
+	}
+	require.ErrorContains(t, f.err, "boom")
+	f.reply(ackResult{id: f.ids[ma1]})
+	require.Len(t, f.sent, 2, "the event queued behind a1 is not published after the failure")
+	require.Zero(t, f.lsn())
+	_, err := f.add(keepalive(50))
+	require.ErrorIs(t, err, errStopped)
+}
+
+func TestReplyToAnUnknownEventIsIgnored(t *testing.T) {
+	f := newFakePipeline(t, 100)
+	e1, m1 := event("a")
+	f.step(t, begin(), e1, commit(10))
+	f.reply(ackResult{id: 999})
+	f.reply(ackResult{id: 998, err: errors.New("late reply of an earlier session")})
+	f.reply(ackResult{id: f.ids[m1]})
+	require.EqualValues(t, 10, f.lsn())
 }

@@ -247,7 +247,7 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return p.run(gctx.Done(), nil, 0) })
 	g.Go(func() error {
-		defer close(p.in)
+		defer p.closeInput()
 		tx, err := conn.BeginTx(gctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
 		if err != nil {
 			return err
@@ -281,7 +281,7 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 				if err := p.feed(gctx, batch...); err != nil {
 					return err
 				}
-				batch = make([]item, 0, 256)
+				batch = batch[:0] // feed handled every item: the slice is free
 			}
 			n++
 		}
@@ -294,6 +294,15 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 		return n, err
 	}
 	return n, nil
+}
+
+// stoppedIsNil returns nil for errStopped: the reader stops because the pipeline did, whose
+// error is the session's.
+func stoppedIsNil(err error) error {
+	if errors.Is(err, errStopped) {
+		return nil
+	}
+	return err
 }
 
 // quoteLiteral quotes s as an SQL string literal (SET TRANSACTION SNAPSHOT takes no parameters).
@@ -312,7 +321,7 @@ func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn) error {
 	g.Go(func() error {
 		err := p.run(gctx.Done(), stopping, cfg.DrainTimeout)
 		if errors.Is(err, errDrainTimeout) {
-			cfg.Logger.Warn("stopping without every PubAck; the unacknowledged events will be replayed", "in_flight", p.inFlight)
+			cfg.Logger.Warn("stopping without every PubAck; the unacknowledged events will be replayed", "in_flight", p.pending())
 			return nil
 		}
 		return err
@@ -359,36 +368,43 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 		}
 		return sendStatus()
 	}
-	// deliver hands a transaction's items to the pipeline, keeping status updates flowing
-	// while it waits (the pipeline blocks when MaxInFlight events are outstanding).
-	var batch []item
-	deliver := func() error {
-		if len(batch) == 0 {
-			return nil
-		}
+	// put hands one item to the pipeline, which publishes an event at once. While the pipeline
+	// is full (MaxInFlight events outstanding) it waits, keeping status updates flowing. It
+	// returns errStopped when the pipeline failed or stopped: the pipeline's error is the
+	// session's.
+	put := func(it item) error {
 		for {
+			ok, err := p.add(it)
+			if ok || err != nil {
+				return err
+			}
 			wait := time.NewTimer(time.Until(nextStatus))
 			select {
-			case p.in <- batch:
-				wait.Stop()
-				batch = make([]item, 0, 8)
-				return nil
+			case <-p.room:
+			case <-p.failed: // add says so
 			case <-gctx.Done():
+				wait.Stop()
+				return errStopped
+			case <-ctx.Done():
+				// Stopping: the loop closes the input. An item not added is of a transaction
+				// that is not confirmed, so it is replayed.
 				wait.Stop()
 				return nil
 			case <-wait.C:
 				if err := statusDue(); err != nil {
+					wait.Stop()
 					return err
 				}
 			}
+			wait.Stop()
 		}
 	}
 
 	for {
 		if ctx.Err() != nil {
-			// Items of an unfinished transaction are dropped: it is replayed from the
-			// confirmed LSN, which never passes it.
-			close(p.in)
+			// An unfinished transaction is never confirmed: it is replayed from the confirmed
+			// LSN, which never passes it, and its events already published are deduplicated.
+			p.closeInput()
 			select {
 			case <-p.done:
 			case <-time.After(cfg.DrainTimeout + time.Second):
@@ -428,9 +444,8 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 				if c := r.confirmed.Load(); uint64(ka.ServerWALEnd) > c {
 					r.m.slotLagBytes.Set(float64(uint64(ka.ServerWALEnd) - c))
 				}
-				batch = append(batch, item{kind: itemKeepalive, lsn: ka.ServerWALEnd})
-				if err := deliver(); err != nil {
-					return err
+				if err := put(item{kind: itemKeepalive, lsn: ka.ServerWALEnd}); err != nil {
+					return stoppedIsNil(err)
 				}
 				if ka.ReplyRequested {
 					if err := sendStatus(); err != nil {
@@ -450,12 +465,8 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 				if it.kind == itemNone {
 					continue
 				}
-				batch = append(batch, it)
-				// One hand-off per transaction, and at least every 256 events of a large one.
-				if it.kind == itemCommit || len(batch) >= 256 {
-					if err := deliver(); err != nil {
-						return err
-					}
+				if err := put(it); err != nil {
+					return stoppedIsNil(err)
 				}
 			}
 		case *pgproto3.ErrorResponse:
