@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 )
 
@@ -15,7 +16,7 @@ import (
 func TestBatcherSharesBusyRunners(t *testing.T) {
 	release := make(chan struct{})
 	started := make(chan []int, 10)
-	b := newBatcher(1, 8, time.Minute, func(_ context.Context, reqs []int) ([]int, error) {
+	b := newBatcher(8, 0, time.Minute, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}), func(_ context.Context, reqs []int) ([]int, error) {
 		started <- reqs
 		<-release
 		if reqs[0] < 0 {

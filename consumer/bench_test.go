@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/consumer"
@@ -17,7 +18,8 @@ import (
 )
 
 // runTurns sends n messages, each to a conversation of its own (so every message is one
-// turn), from 8 concurrent producers, and returns how long it took until all were done.
+// turn), from 8 concurrent producers, and returns how long it took from the first send until
+// the last reply was committed.
 func runTurns(t *testing.T, b *bundle, n int) time.Duration {
 	t.Helper()
 	ctx := context.Background()
@@ -41,8 +43,16 @@ func runTurns(t *testing.T, b *bundle, n int) time.Duration {
 		})
 	}
 	wg.Wait()
-	b.waitTerminal(5 * time.Minute)
-	return time.Since(start)
+	// Poll rarely (a count over the outbox competes with the workers for the CPU) and take the
+	// end from the last run's commit time instead.
+	require.Eventually(t, func() bool {
+		var n int
+		err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM agent_outbox WHERE status IN ('pending', 'processing')`).Scan(&n)
+		return err == nil && n == 0
+	}, 5*time.Minute, 200*time.Millisecond, "rows still pending or processing")
+	var end time.Time
+	require.NoError(t, b.db.Pool.QueryRow(ctx, `SELECT max(finished_at) FROM agent_runs`).Scan(&end))
+	return end.Sub(start)
 }
 
 // latencies sends rate messages per second for d over 50 conversations and returns the
@@ -109,19 +119,25 @@ func TestBenchmarkTurns(t *testing.T) {
 		t.Log("set BATON_BENCH=1 to run the worker benchmark")
 		return
 	}
-	const n = 3000
+	const n = 6000
 	// Each measurement runs in a subtest, so its servers, relay and workers stop before the
 	// next one starts and nothing idle competes with it.
 	for _, src := range sources {
 		for _, workers := range []int{1, 4} {
 			t.Run(fmt.Sprintf("throughput-%s-%d", src, workers), func(t *testing.T) {
 				b := setup(t, src)
+				var regs []*prometheus.Registry
 				for range workers {
 					// Each worker has a pool of its own, as a worker process would.
-					b.worker(consumer.Config{Pool: b.pool(t, 16), PollInterval: 250 * time.Millisecond})
+					reg := prometheus.NewRegistry()
+					regs = append(regs, reg)
+					b.worker(consumer.Config{Pool: b.pool(t, 16), PollInterval: 250 * time.Millisecond, Registerer: reg})
 				}
 				took := runTurns(t, b, n)
-				t.Logf("BENCH throughput source=%s workers=%d turns=%d took=%v turns/s=%.0f", src, workers, n, took.Round(time.Millisecond), float64(n)/took.Seconds())
+				t.Logf("BENCH throughput source=%s workers=%d turns=%d took=%v turns/s=%.0f (conversations per statement: claim %.1f, final commit %.1f; claim conflicts %.0f, events nacked %.0f)",
+					src, workers, n, took.Round(time.Millisecond), float64(n)/took.Seconds(),
+					meanBatch(t, regs, "claim"), meanBatch(t, regs, "finish"),
+					counterSum(t, regs, "baton_worker_claim_conflicts_total", ""), counterSum(t, regs, "baton_worker_events_total", "nacked"))
 			})
 		}
 	}
@@ -148,6 +164,80 @@ func TestBenchmarkTurns(t *testing.T) {
 		})
 	}
 	t.Logf("BENCH polling p50 / jetstream p50 = %.1fx", float64(p50[polling])/float64(p50[jetStream]))
+
+	// What the debounce window buys: turns per burst of 5 messages sent back to back (each
+	// its own transaction, as a client retrying or flushing a queue sends them), over 40
+	// conversations at once, for several windows. 1.0 means every burst became one turn.
+	for _, window := range []time.Duration{0, time.Millisecond, 2 * time.Millisecond, 3 * time.Millisecond, 5 * time.Millisecond} {
+		t.Run(fmt.Sprintf("burst-debounce-%v", window), func(t *testing.T) {
+			b := setup(t, jetStream)
+			b.worker(consumer.Config{Pool: b.pool(t, 16), Debounce: max(window, time.Nanosecond)})
+			const convs, burst = 40, 5
+			var wg sync.WaitGroup
+			for c := range convs {
+				conv := fmt.Sprintf("burst%02d", c)
+				b.conversation(conv)
+				wg.Go(func() {
+					for i := range burst {
+						_, err := b.prod.Send(context.Background(), b.db.Pool, producer.Message{ConversationID: conv, ID: fmt.Sprintf("%s-%d", conv, i), Content: "hi"})
+						if err != nil {
+							t.Error(err)
+							return
+						}
+					}
+				})
+			}
+			wg.Wait()
+			b.waitTerminal(time.Minute)
+			runs := query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE outcome = 'done'`)[0]
+			t.Logf("BENCH burst debounce=%v turns per burst of %d: %.2f", window, burst, float64(runs)/convs)
+		})
+	}
+}
+
+// meanBatch is the mean of baton_worker_batch_size{statement} over the workers' registries.
+func meanBatch(t *testing.T, regs []*prometheus.Registry, statement string) float64 {
+	t.Helper()
+	var sum float64
+	var n uint64
+	for _, reg := range regs {
+		families, err := reg.Gather()
+		require.NoError(t, err)
+		for _, f := range families {
+			if f.GetName() != "baton_worker_batch_size" {
+				continue
+			}
+			for _, m := range f.GetMetric() {
+				if m.GetLabel()[0].GetValue() == statement {
+					sum += m.GetHistogram().GetSampleSum()
+					n += m.GetHistogram().GetSampleCount()
+				}
+			}
+		}
+	}
+	return sum / float64(max(n, 1))
+}
+
+// counterSum adds up counter name (with a label of value label, or any when label is "")
+// over the workers' registries.
+func counterSum(t *testing.T, regs []*prometheus.Registry, name, label string) float64 {
+	t.Helper()
+	var sum float64
+	for _, reg := range regs {
+		families, err := reg.Gather()
+		require.NoError(t, err)
+		for _, f := range families {
+			if f.GetName() != name {
+				continue
+			}
+			for _, m := range f.GetMetric() {
+				if label == "" || (len(m.GetLabel()) > 0 && m.GetLabel()[0].GetValue() == label) {
+					sum += m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return sum
 }
 
 func benchEnabled() bool { return os.Getenv("BATON_BENCH") != "" }

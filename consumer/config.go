@@ -48,7 +48,10 @@ type Config struct {
 	// BackoffBase and BackoffMax shape the wait before a failed row is claimable again:
 	// BackoffBase doubled per attempt, at most BackoffMax. Defaults 1s and 1m.
 	BackoffBase, BackoffMax time.Duration
-	// MaxConcurrentTurns bounds the turns this worker runs at once. Default 32.
+	// MaxConcurrentTurns bounds the turns this worker runs at once. Turns mostly wait on a
+	// model, and the claims and final commits of concurrent turns share statements, so more
+	// of them in flight costs Postgres less per turn (measured with a zero-latency handler:
+	// 32 -> 1,350 turns/s, 128 -> 2,000 on 2 cores). Default 128.
 	MaxConcurrentTurns int
 	// PollInterval is how often the polling source looks for pending rows. Default 250ms.
 	PollInterval time.Duration
@@ -116,7 +119,7 @@ func (c *Config) fill() error {
 		c.MaxAttempts = 3
 	}
 	if c.MaxConcurrentTurns <= 0 {
-		c.MaxConcurrentTurns = 32
+		c.MaxConcurrentTurns = 128
 	}
 	if c.MaxAckPending <= 0 {
 		c.MaxAckPending = 20000

@@ -12,6 +12,7 @@ type metrics struct {
 	operations     *prometheus.CounterVec // effect
 	events         *prometheus.CounterVec // result: acked|nacked|terminated
 	running        prometheus.Gauge
+	batchSize      *prometheus.HistogramVec // statement: claim|finish
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -44,10 +45,14 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		running: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_worker_running_turns", Help: "Turns running now.",
 		}),
+		batchSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "baton_worker_batch_size", Help: "Conversations per claim or final-commit statement (more under load).",
+			Buckets: []float64{1, 2, 4, 8, 16, 32, 64},
+		}, []string{"statement"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.turns, m.turnSeconds, m.claimConflicts, m.oldestPending, m.recoveries, m.attempts,
-			m.operations, m.events, m.running)
+			m.operations, m.events, m.running, m.batchSize)
 	}
 	return m
 }

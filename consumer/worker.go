@@ -17,11 +17,11 @@ import (
 	"golang.org/x/sync/errgroup"
 )
 
-// batchRunners is how many claim (and final commit) statements a worker runs at once, and
-// maxBatch how many conversations one of them takes at most.
+// maxBatch is how many conversations one claim or final-commit statement takes at most, and
+// batchLinger how long a statement waits for more when the one before it was shared.
 const (
-	batchRunners = 2
-	maxBatch     = 32
+	maxBatch    = 32
+	batchLinger = 500 * time.Microsecond
 )
 
 // errStopping cancels turns still running ShutdownGrace after the worker was told to stop.
@@ -77,9 +77,9 @@ func New(cfg Config) (*Worker, error) {
 // RecoveryInterval. When ctx ends it stops taking work, gives running turns ShutdownGrace to
 // finish (then cancels them and releases their rows), and returns nil.
 func (w *Worker) Run(ctx context.Context) error {
-	w.claims = newBatcher(batchRunners, maxBatch, 30*time.Second, w.store.claimMany)
+	w.claims = newBatcher(maxBatch, batchLinger, 30*time.Second, w.m.batchSize.WithLabelValues("claim"), w.store.claimMany)
 	defer w.claims.close()
-	w.finishes = newBatcher(batchRunners, maxBatch, 30*time.Second, w.store.finishMany)
+	w.finishes = newBatcher(maxBatch, batchLinger, 30*time.Second, w.m.batchSize.WithLabelValues("finish"), w.store.finishMany)
 	defer w.finishes.close()
 	w.recoverOnce(ctx)
 	g, gctx := errgroup.WithContext(ctx)

@@ -71,7 +71,7 @@ func run(ctx context.Context) error {
 	flag.DurationVar(&wc.Debounce, "debounce", 0, "wait after a conversation's first event before claiming (default 5ms)")
 	flag.DurationVar(&wc.Lease, "lease", 0, "lease of a claim, renewed while the turn runs (default 30s)")
 	flag.IntVar(&wc.MaxAttempts, "max-attempts", 0, "claims of a request before it fails visibly (default 3)")
-	flag.IntVar(&wc.MaxConcurrentTurns, "concurrency", 0, "turns this worker runs at once (default 32)")
+	flag.IntVar(&wc.MaxConcurrentTurns, "concurrency", 0, "turns this worker runs at once (default 128)")
 	flag.DurationVar(&wc.RecoveryInterval, "recovery-interval", 0, "how often expired leases are recovered (default 5s)")
 	flag.DurationVar(&wc.AckWait, "ack-wait", 0, "JetStream ack wait of the shared durable consumer (default 30s)")
 	flag.Parse()
