@@ -3,12 +3,14 @@
 // time across any number of worker processes, and commits each turn's end in one transaction.
 //
 // Guarantees, each kept by the code named:
-//   - A turn is built from the exact outbox rows its claim returned (store.claim): a
-//     conversation's claim lock serialises claimers, and a conversation with any processing
-//     row is busy, so at most one run per conversation exists at a time.
+//   - A turn is built from the exact outbox rows its claim returned (store.claimMany): a
+//     conversation's claim lock serialises claimers, the claim statement reads with a snapshot
+//     taken after the lock and claims only where the lock was taken, and a conversation with
+//     any processing row is busy, so at most one run per conversation exists at a time.
 //   - Reply, operation ownership, outbox done and conversation metadata commit together
-//     (store.finish). The update of the claimed rows is fenced by run id: a run whose rows
-//     were recovered or reclaimed commits nothing.
+//     (store.finishMany). The update of the claimed rows is fenced by run id: a run whose rows
+//     were recovered or reclaimed commits nothing. Runs ending together share the statement;
+//     if one of them is fenced out, the others are committed one by one.
 //   - Every tool call goes through Turn.Tool, which records the operation as running before
 //     the tool runs. After a Write tool ran or may have run, a failed or interrupted turn ends
 //     as a visible error message in the conversation, never as an automatic replay.
