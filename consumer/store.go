@@ -250,8 +250,8 @@ WITH input AS (
     SET status = i.status, processed_at = now(), reply_id = i.reply_id, last_error = i.reason,
         lease_expires_at = NULL
     FROM input i
-    WHERE o.id = ANY($9) AND o.conversation_id = i.conversation_id AND o.run_id = i.run_id
-      AND o.status = 'processing'
+    WHERE o.id = ANY($9) AND o.conversation_id = ANY($1) AND o.run_id = ANY($2)
+      AND o.conversation_id = i.conversation_id AND o.run_id = i.run_id AND o.status = 'processing'
     RETURNING 1
 ), ops AS (
     UPDATE operations op SET message_id = i.reply_id

@@ -3,6 +3,8 @@ package consumer
 import (
 	"context"
 	"fmt"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -90,50 +92,74 @@ func TestFinishAfterConversationDeleted(t *testing.T) {
 	require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM messages`))
 }
 
-// finish, renew and release find a run's rows by (conversation, run) through the processing
-// index, whatever the planner believes about how many rows are processing: with thousands of
-// processing rows (and the statistics taken when there were none) each still reads only its own.
+// Every statement on a run's rows finds them by key, whatever the planner believes about how
+// many rows are processing: with 5,000 processing rows of other runs (statistics taken when
+// there were none) the generic plans (what prepared statements get after a few runs) of
+// the claim, the final commit and the renew/release shape read only their own rows.
 func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
-	_, err := db.Pool.Exec(ctx, `ANALYZE`)
-	require.NoError(t, err)
-	// 5,000 processing rows of other runs, in other conversations.
-	_, err = db.Pool.Exec(ctx, `
+	_, err := db.Pool.Exec(ctx, `
 		WITH c AS (INSERT INTO conversations (id) SELECT 'o' || g FROM generate_series(1, 5000) g RETURNING id),
 		     m AS (INSERT INTO messages (id, conversation_id, role, content) SELECT id, id, 'user', 'x' FROM c RETURNING id)
-		INSERT INTO agent_outbox (conversation_id, message_id, status, run_id, lease_expires_at)
-		SELECT id, id, 'processing', gen_random_uuid(), now() + interval '1 hour' FROM m`)
+		INSERT INTO agent_outbox (conversation_id, message_id, status) SELECT id, id, 'done' FROM m`)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `ANALYZE`)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET status = 'processing', run_id = gen_random_uuid(),
+		lease_expires_at = now() + interval '1 hour'`)
 	require.NoError(t, err)
 	send(t, db, "c", "m1")
 	const run = "00000000-0000-4000-8000-000000000003"
-	c, err := s.claim(ctx, "c", run)
-	require.NoError(t, err)
-	require.Len(t, c.ids, 1)
 
-	ok, err := s.renew(ctx, "c", run)
-	require.NoError(t, err)
-	require.True(t, ok)
-
-	// The generic plan (what a prepared statement gets after a few runs) of the statements'
-	// shared WHERE clause: the rows are found by key, none read and thrown away.
 	conn, err := db.Pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
-	_, err = conn.Exec(ctx, `SET plan_cache_mode = force_generic_plan`)
+	// plan runs sql as a prepared statement with its generic plan under EXPLAIN ANALYZE (in a
+	// transaction it rolls back, after the statements in before) and returns the plan.
+	plan := func(types, sql, args string, before ...string) string {
+		t.Helper()
+		tx, err := conn.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = tx.Rollback(ctx) }()
+		for _, b := range append([]string{`SET LOCAL plan_cache_mode = force_generic_plan`}, before...) {
+			_, err := tx.Exec(ctx, b)
+			require.NoError(t, err)
+		}
+		_, err = tx.Exec(ctx, `PREPARE p(`+types+`) AS `+sql)
+		require.NoError(t, err)
+		defer func() { _, _ = conn.Exec(ctx, `DEALLOCATE p`) }()
+		rows, err := tx.Query(ctx, `EXPLAIN (ANALYZE, SUMMARY OFF, TIMING OFF) EXECUTE p(`+args+`)`)
+		require.NoError(t, err)
+		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		return strings.Join(lines, "\n")
+	}
+	// narrow fails when a plan node read more than a few rows, or threw more than a few away.
+	readRows := regexp.MustCompile(`(?:actual rows=|Rows Removed by Filter: )(\d+)`)
+	narrow := func(name, plan string) {
+		t.Helper()
+		for _, m := range readRows.FindAllStringSubmatch(plan, -1) {
+			n, _ := strconv.Atoi(m[1])
+			require.LessOrEqual(t, n, 10, "%s reads other runs' rows:\n%s", name, plan)
+		}
+	}
+
+	claimPlan := plan(`text[], uuid[], bigint, text`, claimSQL, fmt.Sprintf(`'{c}', '{%s}', 60000, 'w'`, run),
+		`SELECT set_config('baton.claim_locked', '["c"]', true)`)
+	narrow("claim", claimPlan)
+
+	c, err := s.claim(ctx, "c", run)
 	require.NoError(t, err)
-	_, err = conn.Exec(ctx, `PREPARE held(text, uuid, bigint[]) AS UPDATE agent_outbox SET lease_expires_at = now()
-		WHERE conversation_id = $1 AND run_id = $2 AND id = ANY($3) AND status = 'processing'`)
-	require.NoError(t, err)
-	rows, err := conn.Query(ctx, fmt.Sprintf(`EXPLAIN (ANALYZE, SUMMARY OFF, TIMING OFF) EXECUTE held('c', '%s', '{%d}')`, run, c.ids[0]))
-	require.NoError(t, err)
-	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	require.NoError(t, err)
-	_, err = conn.Exec(ctx, `DEALLOCATE held; RESET plan_cache_mode`)
-	require.NoError(t, err)
-	plan := strings.Join(lines, "\n")
-	require.Contains(t, plan, "agent_outbox_running", plan)
-	require.NotContains(t, plan, "Rows Removed by Filter", "the index finds the run's rows by key:\n%s", plan)
+	require.Len(t, c.ids, 1)
+	held := plan(`text, uuid, bigint[]`, `UPDATE agent_outbox SET lease_expires_at = now()
+		WHERE conversation_id = $1 AND run_id = $2 AND id = ANY($3) AND status = 'processing'`,
+		fmt.Sprintf(`'c', '%s', '{%d}'`, run, c.ids[0]))
+	require.Contains(t, held, "agent_outbox_running", held)
+	narrow("renew/release", held)
+	finishPlan := plan(`text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text`, finishSQL,
+		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers'`, run, c.ids[0]))
+	narrow("final commit", finishPlan)
 
 	_, err = s.finish(ctx, "c", run, c.ids, outcome{role: "assistant", content: "ok"})
 	require.NoError(t, err)
