@@ -288,3 +288,39 @@ func query[T any](t *testing.T, db *testsvc.Database, sql string, args ...any) [
 	require.NoError(t, err)
 	return out
 }
+
+// A run that no longer holds its turn (recovered, reclaimed, or past its lease) cannot start a
+// tool: the operation is not recorded and the tool does not run.
+func TestToolRefusedAfterTheTurnIsLost(t *testing.T) {
+	ctx := context.Background()
+	for _, lost := range []string{"recovered", "lease expired"} {
+		t.Run(lost, func(t *testing.T) {
+			db, s := storeFixture(t)
+			w, err := New(Config{Pool: db.Pool, Handler: func(context.Context, *Turn) (Reply, error) { return Reply{}, nil }})
+			require.NoError(t, err)
+			w.store = s
+			send(t, db, "c", "m1")
+			const run = "00000000-0000-4000-8000-000000000005"
+			c, err := s.claim(ctx, "c", run)
+			require.NoError(t, err)
+			turn := &Turn{ConversationID: "c", RunID: run, OutboxIDs: c.ids, w: w}
+
+			// While the turn is held, tools run and are recorded.
+			out, err := turn.Tool(ctx, "lookup", Read, "q", func(context.Context) (any, error) { return "a", nil })
+			require.NoError(t, err)
+			require.Equal(t, "a", out)
+
+			if lost == "recovered" {
+				_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET status = 'pending', run_id = NULL, lease_expires_at = NULL`)
+			} else {
+				_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET lease_expires_at = now() - interval '1 second'`)
+			}
+			require.NoError(t, err)
+			ran := false
+			_, err = turn.Tool(ctx, "send_email", Write, "q", func(context.Context) (any, error) { ran = true; return nil, nil })
+			require.ErrorIs(t, err, errLeaseLost)
+			require.False(t, ran, "the tool must not run")
+			require.Equal(t, []string{"lookup"}, query[string](t, db, `SELECT tool FROM operations ORDER BY id`))
+		})
+	}
+}

@@ -65,6 +65,20 @@ func (t *Turn) History(ctx context.Context, limit int) ([]Message, error) {
 	return msgs, nil
 }
 
+// recordOperationSQL records a tool call as running, only while the run still holds its rows
+// with a live lease. FOR SHARE makes recovery (which takes expired rows FOR UPDATE SKIP
+// LOCKED) either wait until this operation is visible to it, or take the rows first, and then
+// this insert finds them no longer the run's. So a run that lost its turn can never start a
+// tool, and recovery never misses an operation that started: a write tool cannot run in a run
+// whose turn is replayed elsewhere.
+const recordOperationSQL = `
+INSERT INTO operations (run_id, conversation_id, tool, effect, input)
+SELECT $1, $2, $3, $4, $5
+WHERE EXISTS (SELECT FROM agent_outbox
+              WHERE conversation_id = $2 AND run_id = $1 AND status = 'processing' AND lease_expires_at > now()
+              FOR SHARE)
+RETURNING id`
+
 // ErrToolFailed wraps the error of a tool the turn called.
 var ErrToolFailed = errors.New("tool failed")
 
@@ -82,8 +96,11 @@ func (t *Turn) Tool(ctx context.Context, tool string, effect Effect, input any, 
 	}
 	pool := t.w.store.pool
 	var opID int64
-	if err := pool.QueryRow(ctx, `INSERT INTO operations (run_id, conversation_id, tool, effect, input)
-		VALUES ($1, $2, $3, $4, $5) RETURNING id`, t.RunID, t.ConversationID, tool, string(effect), in).Scan(&opID); err != nil {
+	err = pool.QueryRow(ctx, recordOperationSQL, t.RunID, t.ConversationID, tool, string(effect), in).Scan(&opID)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("tool %s: not run: %w", tool, errLeaseLost)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("tool %s: record operation: %w", tool, err)
 	}
 	t.w.m.operations.WithLabelValues(string(effect)).Inc()

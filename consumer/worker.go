@@ -433,7 +433,7 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) bool 
 	reply, herr := w.handle(turnCtx, conv, runID, c)
 	cancel(nil)
 	<-keeper
-	if cause := context.Cause(turnCtx); errors.Is(cause, errLeaseLost) {
+	if cause := context.Cause(turnCtx); errors.Is(cause, errLeaseLost) || errors.Is(herr, errLeaseLost) {
 		w.m.turns.WithLabelValues("lease_lost").Inc()
 		log.Warn("lease lost during the turn; its result is discarded")
 		return false
