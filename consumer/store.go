@@ -42,10 +42,17 @@ type claim struct {
 
 // lockConversationsSQL takes the conversations' claim locks and records, for the rest of the
 // transaction, which ones it got; SKIP LOCKED makes a concurrent claimer give up at once
-// instead of queueing behind us.
+// instead of queueing behind us. It also sets, for the claim transaction only:
+//   - plan_cache_mode: the claim statement runs its cached generic plan (see genericPlansSQL);
+//   - synchronous_commit off: the claim does not wait for its WAL to reach disk. A claim that
+//     a database crash loses is harmless: its rows are pending again, and the run's fenced
+//     final commit fails, so nothing of it is kept. Whatever the run does that matters commits
+//     synchronously later (its tool operations, its final commit), and flushing that WAL
+//     flushes the claim's before it.
 const lockConversationsSQL = `
 SELECT set_config('baton.claim_locked', coalesce(json_agg(id), '[]')::text, true),
-       set_config('plan_cache_mode', 'force_generic_plan', true)
+       set_config('plan_cache_mode', 'force_generic_plan', true),
+       set_config('synchronous_commit', 'off', true)
 FROM (SELECT id FROM conversations WHERE id = ANY($1) FOR NO KEY UPDATE SKIP LOCKED) locked`
 
 // claimSQL runs as the second statement of the claim transaction, so its snapshot is taken
