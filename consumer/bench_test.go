@@ -165,32 +165,31 @@ func TestBenchmarkTurns(t *testing.T) {
 	}
 	t.Logf("BENCH polling p50 / jetstream p50 = %.1fx", float64(p50[polling])/float64(p50[jetStream]))
 
-	// What the debounce window buys: turns per burst of 5 messages sent back to back (each
-	// its own transaction, as a client retrying or flushing a queue sends them), over 40
-	// conversations at once, for several windows. 1.0 means every burst became one turn.
+	// What the debounce window buys: turns per burst of 5 messages sent back to back by one
+	// client (each its own transaction, as a client flushing a queue or a user pasting several
+	// messages sends them), 30 bursts one after another on an idle system, for several windows.
+	// 1.0 means every burst became one turn.
 	for _, window := range []time.Duration{0, time.Millisecond, 2 * time.Millisecond, 3 * time.Millisecond, 5 * time.Millisecond} {
 		t.Run(fmt.Sprintf("burst-debounce-%v", window), func(t *testing.T) {
 			b := setup(t, jetStream)
 			b.worker(consumer.Config{Pool: b.pool(t, 16), Debounce: max(window, time.Nanosecond)})
-			const convs, burst = 40, 5
-			var wg sync.WaitGroup
-			for c := range convs {
+			const bursts, burst = 30, 5
+			var took []time.Duration
+			for c := range bursts {
 				conv := fmt.Sprintf("burst%02d", c)
 				b.conversation(conv)
-				wg.Go(func() {
-					for i := range burst {
-						_, err := b.prod.Send(context.Background(), b.db.Pool, producer.Message{ConversationID: conv, ID: fmt.Sprintf("%s-%d", conv, i), Content: "hi"})
-						if err != nil {
-							t.Error(err)
-							return
-						}
-					}
-				})
+				start := time.Now()
+				for i := range burst {
+					_, err := b.prod.Send(context.Background(), b.db.Pool, producer.Message{ConversationID: conv, ID: fmt.Sprintf("%s-%d", conv, i), Content: "hi"})
+					require.NoError(t, err)
+				}
+				took = append(took, time.Since(start))
+				b.waitTerminal(time.Minute)
 			}
-			wg.Wait()
-			b.waitTerminal(time.Minute)
+			slices.Sort(took)
 			runs := query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE outcome = 'done'`)[0]
-			t.Logf("BENCH burst debounce=%v turns per burst of %d: %.2f", window, burst, float64(runs)/convs)
+			t.Logf("BENCH burst debounce=%v turns per burst of %d: %.2f (a burst took p50 %v to send)", window, burst,
+				float64(runs)/bursts, took[len(took)/2].Round(10*time.Microsecond))
 		})
 	}
 }
