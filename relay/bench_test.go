@@ -1048,6 +1048,53 @@ func BenchmarkRelayLatency(b *testing.B) {
 	b.Logf("bare client commit→received p50 %.3f p99 %.3f max %.3f ms; plain relay commit→stored p50 %.3f p99 %.3f max %.3f ms (n=%d)",
 		ms(percentile(bareLat, .5)), ms(percentile(bareLat, .99)), ms(bareLat[len(bareLat)-1]),
 		ms(percentile(plainLat, .5)), ms(percentile(plainLat, .99)), ms(plainLat[len(plainLat)-1]), len(plainLat))
+
+	// 3. The same relay code in this process, as the plain relay runs: it takes the slot over
+	// from the killed process. Next to run 2, it tells the relay's own cost from what running
+	// as a separate, mostly idle process on this machine adds.
+	p.kill()
+	inLat := inProcessLatency(b, e, rate, 5*time.Second)
+	b.ReportMetric(ms(percentile(inLat, .99)), "inproc-p99-ms")
+	b.Logf("relay in this process commit→stored p50 %.3f p99 %.3f max %.3f ms (n=%d)",
+		ms(percentile(inLat, .5)), ms(percentile(inLat, .99)), ms(inLat[len(inLat)-1]), len(inLat))
+}
+
+// inProcessLatency runs the relay library in this process on the bench slot and returns the
+// commit→stored latencies of d of commits at rate.
+func inProcessLatency(b *testing.B, e *benchEnv, rate int, d time.Duration) []time.Duration {
+	b.Helper()
+	nc, err := nats.Connect(e.ns.URL())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer nc.Close()
+	r, err := relay.New(relay.Config{DatabaseURL: e.db.URL, NATS: nc, Slot: e.slot,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			b.Error(err)
+		}
+	}()
+	for deadline := time.Now().Add(time.Minute); !r.Active(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			b.Fatal("the in-process relay never took the slot over")
+		}
+	}
+	stored := collectStored(b, e, "AGENT_TURNS")
+	recs := paceCommits(b, e.db.Pool, "relay in process", rate, d)
+	at := stored.wait(b, recs[len(recs)-1].id)
+	lat, missing := latencies(recs, rate, at.stored)
+	if missing > 0 {
+		b.Fatalf("in-process relay: %d events never arrived", missing)
+	}
+	return lat
 }
 
 // storedCollector records, for each event of a stream stored after it started, the JetStream
