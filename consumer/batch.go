@@ -130,7 +130,7 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 	return c.res, c.err
 }
 
-// close stops the runners once their batches complete.
+// close stops the runner once its batch in flight completes.
 func (b *batcher[Req, Res]) close() {
 	b.stop()
 	b.wg.Wait()

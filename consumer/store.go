@@ -103,18 +103,9 @@ LEFT JOIN claimed c ON c.conversation_id = i.conversation_id
 LEFT JOIN messages m ON m.id = c.message_id
 GROUP BY i.conversation_id, conv.id`
 
-// claim takes every available pending row of the conversation for run, in id order, unless
-// another run holds the conversation. The returned ids define the turn.
-func (s *store) claim(ctx context.Context, conversationID, runID string) (claim, error) {
-	cs, err := s.claimMany(ctx, []claimReq{{conversationID, runID}})
-	if err != nil {
-		return claim{}, err
-	}
-	return cs[0], nil
-}
-
-// claimMany claims several conversations, each for its own run, in one round trip (see
-// claim). The conversations must be distinct.
+// claimMany claims several conversations, each for its own run, in one round trip: for each,
+// every available pending row, in id order, unless another run holds the conversation. The
+// returned ids define the turn. The conversations must be distinct.
 //
 // Both statements go in one pipelined batch, which Postgres runs as one implicit transaction:
 // the locks are held until the claim commits, and the claim statement still gets a snapshot of
@@ -220,7 +211,14 @@ type finishReq struct {
 	outcome
 }
 
-// replyID names the message that ends the run.
+// status is what the run's rows become, and replyID names the message that ends the run.
+func (r finishReq) status() string {
+	if r.role == "error" {
+		return "error"
+	}
+	return "done"
+}
+
 func (r finishReq) replyID() string {
 	if r.role == "error" {
 		return "error:" + r.runID
@@ -290,17 +288,10 @@ func (s *store) finish(ctx context.Context, conversationID, runID string, ids []
 
 func (s *store) finishOne(ctx context.Context, r finishReq) error {
 	err := s.finishAll(ctx, []finishReq{r})
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "23503" { // foreign_key_violation
-		return errConversationGone
-	}
-	if errors.As(err, &pgErr) && pgErr.Code == "BT001" { // baton_fence
-		return errLeaseLost
-	}
-	if err != nil {
+	if err != nil && !runFailed(err) {
 		return fmt.Errorf("finish run %s: %w", r.runID, err)
 	}
-	return nil
+	return err
 }
 
 // finishMany ends several runs (of distinct conversations) in one statement and returns each
@@ -313,8 +304,7 @@ func (s *store) finishMany(ctx context.Context, reqs []finishReq) ([]error, erro
 		return errs, nil
 	}
 	err := s.finishAll(ctx, reqs)
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && (pgErr.Code == "23503" || pgErr.Code == "BT001") {
+	if runFailed(err) {
 		for i, r := range reqs {
 			errs[i] = s.finishOne(ctx, r)
 		}
@@ -326,18 +316,21 @@ func (s *store) finishMany(ctx context.Context, reqs []finishReq) ([]error, erro
 	return errs, nil
 }
 
-// finishAll runs finishSQL for reqs: all commit, or none.
+// runFailed reports whether err is about one run of a final commit rather than the commit.
+func runFailed(err error) bool {
+	return errors.Is(err, errConversationGone) || errors.Is(err, errLeaseLost)
+}
+
+// finishAll runs finishSQL for reqs: all commit, or none. A deleted conversation fails it with
+// errConversationGone, a run that no longer owns its rows with errLeaseLost.
 func (s *store) finishAll(ctx context.Context, reqs []finishReq) error {
 	n := len(reqs)
 	convs, runs, statuses, replies := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	roles, contents, reasons, answers := make([]string, n), make([]string, n), make([]*string, n), make([]string, n)
 	var ids []int64
 	for i, r := range reqs {
-		convs[i], runs[i], replies[i], roles[i], contents[i] = r.conversationID, r.runID, r.replyID(), r.role, r.content
-		statuses[i] = "done"
-		if r.role == "error" {
-			statuses[i] = "error"
-		}
+		convs[i], runs[i], statuses[i], replies[i] = r.conversationID, r.runID, r.status(), r.replyID()
+		roles[i], contents[i] = r.role, r.content
 		if r.reason != "" {
 			reasons[i] = &r.reason
 		}
@@ -351,7 +344,15 @@ func (s *store) finishAll(ctx context.Context, reqs []finishReq) error {
 	batch := &pgx.Batch{}
 	batch.Queue(genericPlansSQL)
 	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, relay.AnswersPrefix)
-	return s.pool.SendBatch(ctx, batch).Close()
+	err := s.pool.SendBatch(ctx, batch).Close()
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && pgErr.Code == "23503": // foreign_key_violation
+		return errConversationGone
+	case errors.As(err, &pgErr) && pgErr.Code == "BT001": // baton_fence
+		return errLeaseLost
+	}
+	return err
 }
 
 // release puts run's rows back to pending after a failed attempt with no side effect; they

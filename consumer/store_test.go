@@ -36,6 +36,14 @@ func send(t *testing.T, db *testsvc.Database, conv string, ids ...string) {
 	}
 }
 
+// claimOne claims conversation conv for run.
+func claimOne(t *testing.T, s *store, conv, run string) claim {
+	t.Helper()
+	cs, err := s.claimMany(context.Background(), []claimReq{{conv, run}})
+	require.NoError(t, err)
+	return cs[0]
+}
+
 func scalar[T any](t *testing.T, db *testsvc.Database, sql string, args ...any) T {
 	t.Helper()
 	var v T
@@ -52,8 +60,7 @@ func TestFinishIsFencedByRunID(t *testing.T) {
 			db, s := storeFixture(t)
 			send(t, db, "c", "m1", "m2")
 			const run = "00000000-0000-4000-8000-000000000001"
-			c, err := s.claim(ctx, "c", run)
-			require.NoError(t, err)
+			c := claimOne(t, s, "c", run)
 			require.Len(t, c.ids, 2)
 
 			// Recovery took the rows of the expired run and another run claimed them.
@@ -61,7 +68,7 @@ func TestFinishIsFencedByRunID(t *testing.T) {
 			if lost == "one row" {
 				where += fmt.Sprintf(" AND id = %d", c.ids[1])
 			}
-			_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET run_id = gen_random_uuid() WHERE `+where, run)
+			_, err := db.Pool.Exec(ctx, `UPDATE agent_outbox SET run_id = gen_random_uuid() WHERE `+where, run)
 			require.NoError(t, err)
 
 			_, err = s.finish(ctx, "c", run, c.ids, outcome{role: "assistant", content: "late"})
@@ -81,9 +88,8 @@ func TestFinishAfterConversationDeleted(t *testing.T) {
 	db, s := storeFixture(t)
 	send(t, db, "c", "m1")
 	const run = "00000000-0000-4000-8000-000000000002"
-	c, err := s.claim(ctx, "c", run)
-	require.NoError(t, err)
-	_, err = db.Pool.Exec(ctx, `DELETE FROM conversations WHERE id = 'c'`)
+	c := claimOne(t, s, "c", run)
+	_, err := db.Pool.Exec(ctx, `DELETE FROM conversations WHERE id = 'c'`)
 	require.NoError(t, err)
 
 	_, err = s.finish(ctx, "c", run, c.ids, outcome{role: "assistant", content: "late"})
@@ -149,8 +155,7 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 		`SELECT set_config('baton.claim_locked', '["c"]', true)`)
 	narrow("claim", claimPlan)
 
-	c, err := s.claim(ctx, "c", run)
-	require.NoError(t, err)
+	c := claimOne(t, s, "c", run)
 	require.Len(t, c.ids, 1)
 	held := plan(`text, uuid, bigint[]`, `UPDATE agent_outbox SET lease_expires_at = now()
 		WHERE conversation_id = $1 AND run_id = $2 AND id = ANY($3) AND status = 'processing'`,
@@ -176,8 +181,7 @@ func TestClaimManyConversations(t *testing.T) {
 	send(t, db, "c", "c1", "c2")
 	send(t, db, "held", "h1")
 	send(t, db, "busy", "b1")
-	_, err = s.claim(ctx, "busy", "00000000-0000-4000-8000-0000000000b0")
-	require.NoError(t, err)
+	claimOne(t, s, "busy", "00000000-0000-4000-8000-0000000000b0")
 	send(t, db, "busy", "b2")
 
 	// Another claimer holds "held" for the length of our claim.
@@ -243,8 +247,7 @@ func TestFinishManyIsolatesFailedRuns(t *testing.T) {
 	for i, conv := range []string{"c", "lost", "gone", "d"} {
 		send(t, db, conv, conv+"-m")
 		run := fmt.Sprintf("00000000-0000-4000-8000-%012d", 100+i)
-		c, err := s.claim(ctx, conv, run)
-		require.NoError(t, err)
+		c := claimOne(t, s, conv, run)
 		require.Len(t, c.ids, 1)
 		reqs = append(reqs, finishReq{conv, run, c.ids, outcome{role: "assistant", content: "re " + conv}})
 	}
@@ -269,8 +272,7 @@ func TestFinishManyIsolatesFailedRuns(t *testing.T) {
 		require.NoError(t, err)
 		send(t, db, conv, conv+"-m")
 		run := fmt.Sprintf("00000000-0000-4000-8000-%012d", 200+i)
-		c, err := s.claim(ctx, conv, run)
-		require.NoError(t, err)
+		c := claimOne(t, s, conv, run)
 		more = append(more, finishReq{conv, run, c.ids, outcome{role: "error", content: "failed " + conv, reason: "r"}})
 	}
 	errs, err = s.finishMany(ctx, more)
@@ -301,8 +303,7 @@ func TestToolRefusedAfterTheTurnIsLost(t *testing.T) {
 			w.store = s
 			send(t, db, "c", "m1")
 			const run = "00000000-0000-4000-8000-000000000005"
-			c, err := s.claim(ctx, "c", run)
-			require.NoError(t, err)
+			c := claimOne(t, s, "c", run)
 			turn := &Turn{ConversationID: "c", RunID: run, OutboxIDs: c.ids, w: w}
 
 			// While the turn is held, tools run and are recorded.
