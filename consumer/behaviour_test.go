@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/consumer"
+	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/producer"
 	"github.com/batonhq/baton/relay"
 )
@@ -37,13 +38,13 @@ func TestAlwaysFailingHandlerEndsInOneVisibleError(t *testing.T) {
 			b.send("c", "m1", "hi")
 			b.waitTerminal(time.Minute)
 			require.EqualValues(t, 3, calls.Load(), "one call per attempt, no more")
-			require.Equal(t, []string{"error"}, query[string](t, b.db, `SELECT status FROM agent_outbox`))
-			require.Equal(t, []int{3}, query[int](t, b.db, `SELECT attempts FROM agent_outbox`))
-			errs := query[string](t, b.db, `SELECT content FROM messages WHERE role = 'error'`)
+			require.Equal(t, []string{"error"}, testsvc.Query[string](t, b.db, `SELECT status FROM agent_outbox`))
+			require.Equal(t, []int{3}, testsvc.Query[int](t, b.db, `SELECT attempts FROM agent_outbox`))
+			errs := testsvc.Query[string](t, b.db, `SELECT content FROM messages WHERE role = 'error'`)
 			require.Len(t, errs, 1, "exactly one visible error message")
 			require.Contains(t, errs[0], "model unavailable")
-			require.Empty(t, query[string](t, b.db, `SELECT id FROM messages WHERE role = 'assistant'`))
-			reason := query[string](t, b.db, `SELECT last_error FROM agent_outbox`)
+			require.Empty(t, testsvc.Query[string](t, b.db, `SELECT id FROM messages WHERE role = 'assistant'`))
+			reason := testsvc.Query[string](t, b.db, `SELECT last_error FROM agent_outbox`)
 			require.Contains(t, reason[0], "failed after 3 attempts")
 			// No more attempts after the cap.
 			time.Sleep(200 * time.Millisecond) // a quiet period in which nothing may happen; not a synchronisation
@@ -80,9 +81,9 @@ func TestConversationDeletedMidTurn(t *testing.T) {
 			close(proceed)
 			require.Eventually(t, func() bool { return counter(t, reg, "baton_worker_turns_total", "cancelled") == 1 },
 				time.Minute, 10*time.Millisecond)
-			require.Empty(t, query[string](t, b.db, `SELECT id FROM conversations`), "nothing recreated")
-			require.Empty(t, query[string](t, b.db, `SELECT id FROM messages`))
-			require.Empty(t, query[int64](t, b.db, `SELECT id FROM agent_outbox`))
+			require.Empty(t, testsvc.Query[string](t, b.db, `SELECT id FROM conversations`), "nothing recreated")
+			require.Empty(t, testsvc.Query[string](t, b.db, `SELECT id FROM messages`))
+			require.Empty(t, testsvc.Query[int64](t, b.db, `SELECT id FROM agent_outbox`))
 			require.EqualValues(t, 1, calls.Load(), "no error loop")
 			if src == jetStream {
 				b.requireAllAcked()
@@ -111,9 +112,9 @@ func TestMessageDuringTurnGoesToTheNextTurn(t *testing.T) {
 			second := b.send("c", "m2", "second")
 			close(proceed)
 			b.waitTerminal(time.Minute)
-			runs := query[[]int64](t, b.db, `SELECT outbox_ids FROM agent_runs WHERE outcome = 'done' ORDER BY started_at`)
+			runs := testsvc.Query[[]int64](t, b.db, `SELECT outbox_ids FROM agent_runs WHERE outcome = 'done' ORDER BY started_at`)
 			require.Equal(t, [][]int64{{first}, {second}}, runs)
-			replies := query[string](t, b.db, `SELECT content FROM messages WHERE role = 'assistant' ORDER BY created_at`)
+			replies := testsvc.Query[string](t, b.db, `SELECT content FROM messages WHERE role = 'assistant' ORDER BY created_at`)
 			require.Equal(t, []string{"echo: first", "echo: second"}, replies)
 		})
 	}
@@ -131,7 +132,7 @@ func TestBurstIsOneTurn(t *testing.T) {
 			}
 			b.worker(consumer.Config{})
 			b.waitTerminal(time.Minute)
-			require.Equal(t, []string{"echo: 0 | 1 | 2 | 3 | 4"}, query[string](t, b.db, `SELECT content FROM messages WHERE role = 'assistant'`))
+			require.Equal(t, []string{"echo: 0 | 1 | 2 | 3 | 4"}, testsvc.Query[string](t, b.db, `SELECT content FROM messages WHERE role = 'assistant'`))
 		})
 	}
 }
@@ -169,8 +170,8 @@ func TestDuplicateEventsRunOneTurn(t *testing.T) {
 	b.waitTerminal(time.Minute)
 	b.requireAllAcked()
 	require.EqualValues(t, 1, calls.Load())
-	require.Equal(t, []int64{id}, query[int64](t, b.db, `SELECT id FROM agent_outbox WHERE status = 'done'`))
-	require.Len(t, query[string](t, b.db, `SELECT id FROM messages WHERE role = 'assistant'`), 1)
+	require.Equal(t, []int64{id}, testsvc.Query[int64](t, b.db, `SELECT id FROM agent_outbox WHERE status = 'done'`))
+	require.Len(t, testsvc.Query[string](t, b.db, `SELECT id FROM messages WHERE role = 'assistant'`), 1)
 }
 
 func TestWriteToolFailureIsNotRetried(t *testing.T) {
@@ -197,10 +198,10 @@ func TestWriteToolFailureIsNotRetried(t *testing.T) {
 			b.send("c", "m1", "email them")
 			b.waitTerminal(time.Minute)
 			require.EqualValues(t, 1, calls.Load(), "a turn whose write tool ran is never replayed")
-			require.Equal(t, []string{"error"}, query[string](t, b.db, `SELECT status FROM agent_outbox`))
-			require.Len(t, query[string](t, b.db, `SELECT id FROM messages WHERE role = 'error'`), 1)
+			require.Equal(t, []string{"error"}, testsvc.Query[string](t, b.db, `SELECT status FROM agent_outbox`))
+			require.Len(t, testsvc.Query[string](t, b.db, `SELECT id FROM messages WHERE role = 'error'`), 1)
 			// The operations are recorded and attached to the visible error.
-			ops := query[string](t, b.db, `SELECT tool || ':' || effect || ':' || status || ':' || (message_id IS NOT NULL)::text
+			ops := testsvc.Query[string](t, b.db, `SELECT tool || ':' || effect || ':' || status || ':' || (message_id IS NOT NULL)::text
 				FROM operations ORDER BY id`)
 			require.Equal(t, []string{"lookup:read:done:true", "send_email:write:done:true"}, ops)
 		})
@@ -228,9 +229,9 @@ func TestReadToolFailureIsRetried(t *testing.T) {
 	b.send("c", "m1", "hi")
 	b.waitTerminal(time.Minute)
 	require.EqualValues(t, 2, calls.Load())
-	require.Equal(t, []string{"done"}, query[string](t, b.db, `SELECT status FROM agent_outbox`))
-	require.Equal(t, []string{"lookup:error", "lookup:done"}, query[string](t, b.db, `SELECT tool || ':' || status FROM operations ORDER BY id`))
-	require.Equal(t, []string{"retry", "done"}, query[string](t, b.db, `SELECT outcome FROM agent_runs ORDER BY started_at`))
+	require.Equal(t, []string{"done"}, testsvc.Query[string](t, b.db, `SELECT status FROM agent_outbox`))
+	require.Equal(t, []string{"lookup:error", "lookup:done"}, testsvc.Query[string](t, b.db, `SELECT tool || ':' || status FROM operations ORDER BY id`))
+	require.Equal(t, []string{"retry", "done"}, testsvc.Query[string](t, b.db, `SELECT outcome FROM agent_runs ORDER BY started_at`))
 }
 
 // counter reads a counter of reg with the given label value (any label name).
@@ -307,7 +308,7 @@ func TestLiveSwitchFromPollingToJetStream(t *testing.T) {
 	}()
 	waitDone := func(n int) {
 		require.Eventually(t, func() bool {
-			return query[int](t, b.db, `SELECT count(*)::int FROM agent_outbox WHERE status = 'done'`)[0] >= n
+			return testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_outbox WHERE status = 'done'`)[0] >= n
 		}, time.Minute, 10*time.Millisecond)
 	}
 	waitDone(200)
@@ -316,20 +317,20 @@ func TestLiveSwitchFromPollingToJetStream(t *testing.T) {
 	waitDone(400)
 	stopPolling1()
 	stopPolling2()
-	before := query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE worker LIKE 'js-%'`)[0]
+	before := testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE worker LIKE 'js-%'`)[0]
 	waitDone(700)
 	close(stop)
 	total := <-sent
 	b.waitTerminal(time.Minute)
 	b.requireAllAcked()
 
-	require.Equal(t, []int{total}, query[int](t, b.db, `SELECT count(*)::int FROM agent_outbox WHERE status = 'done'`))
-	require.Equal(t, []int{0}, query[int](t, b.db, `SELECT count(*)::int FROM (SELECT o.id FROM agent_outbox o
+	require.Equal(t, []int{total}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_outbox WHERE status = 'done'`))
+	require.Equal(t, []int{0}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM (SELECT o.id FROM agent_outbox o
 		JOIN agent_runs r ON o.id = ANY(r.outbox_ids) AND r.outcome = 'done' GROUP BY o.id HAVING count(*) <> 1) x`),
 		"every row answered by exactly one committed run")
-	workers := query[string](t, b.db, `SELECT DISTINCT split_part(worker, '-', 1) FROM agent_runs ORDER BY 1`)
+	workers := testsvc.Query[string](t, b.db, `SELECT DISTINCT split_part(worker, '-', 1) FROM agent_runs ORDER BY 1`)
 	require.Equal(t, []string{"js", "poll"}, workers, "both sources did work")
-	require.Greater(t, query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE worker LIKE 'js-%'`)[0], before,
+	require.Greater(t, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE worker LIKE 'js-%'`)[0], before,
 		"the JetStream workers carried the load after the switch")
 }
 
@@ -350,12 +351,12 @@ func TestShutdownReleasesRunningTurns(t *testing.T) {
 	b.send("c", "m1", "hi")
 	<-entered
 	stop()
-	require.Equal(t, []string{"pending"}, query[string](t, b.db, `SELECT status FROM agent_outbox`), "released, not failed")
-	require.Equal(t, []int{0}, query[int](t, b.db, `SELECT attempts FROM agent_outbox`), "a shutdown is not an attempt")
-	require.Equal(t, []string{"released"}, query[string](t, b.db, `SELECT outcome FROM agent_runs`))
+	require.Equal(t, []string{"pending"}, testsvc.Query[string](t, b.db, `SELECT status FROM agent_outbox`), "released, not failed")
+	require.Equal(t, []int{0}, testsvc.Query[int](t, b.db, `SELECT attempts FROM agent_outbox`), "a shutdown is not an attempt")
+	require.Equal(t, []string{"released"}, testsvc.Query[string](t, b.db, `SELECT outcome FROM agent_runs`))
 	b.worker(consumer.Config{})
 	b.waitTerminal(time.Minute)
-	require.Equal(t, []string{"echo: hi"}, query[string](t, b.db, `SELECT content FROM messages WHERE role = 'assistant'`))
+	require.Equal(t, []string{"echo: hi"}, testsvc.Query[string](t, b.db, `SELECT content FROM messages WHERE role = 'assistant'`))
 }
 
 // Logical decoding can send a transaction a moment before other sessions see its commit, so
@@ -385,6 +386,6 @@ func TestEventBeforeItsRowIsVisible(t *testing.T) {
 		INSERT INTO agent_outbox (id, conversation_id, message_id) OVERRIDING SYSTEM VALUE SELECT 1000, 'c', id FROM m`)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
-		return len(query[string](t, b.db, `SELECT id FROM messages WHERE role = 'assistant'`)) == 1
+		return len(testsvc.Query[string](t, b.db, `SELECT id FROM messages WHERE role = 'assistant'`)) == 1
 	}, 5*time.Second, 10*time.Millisecond, "the row became visible but its event was dropped")
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/consumer"
+	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/producer"
 )
 
@@ -187,7 +188,7 @@ func TestBenchmarkTurns(t *testing.T) {
 				b.waitTerminal(time.Minute)
 			}
 			slices.Sort(took)
-			runs := query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE outcome = 'done'`)[0]
+			runs := testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE outcome = 'done'`)[0]
 			t.Logf("BENCH burst debounce=%v turns per burst of %d: %.2f (a burst took p50 %v to send)", window, burst,
 				float64(runs)/bursts, took[len(took)/2].Round(10*time.Microsecond))
 		})

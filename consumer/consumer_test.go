@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
@@ -149,15 +148,6 @@ func echo(_ context.Context, t *consumer.Turn) (consumer.Reply, error) {
 	return consumer.Reply{Content: "echo: " + strings.Join(parts, " | ")}, nil
 }
 
-func query[T any](t *testing.T, db *testsvc.Database, sql string, args ...any) []T {
-	t.Helper()
-	rows, err := db.Pool.Query(context.Background(), sql, args...)
-	require.NoError(t, err)
-	out, err := pgx.CollectRows(rows, pgx.RowTo[T])
-	require.NoError(t, err)
-	return out
-}
-
 func TestEveryMessageAnsweredOnce(t *testing.T) {
 	for _, src := range sources {
 		t.Run(string(src), func(t *testing.T) {
@@ -177,9 +167,9 @@ func TestEveryMessageAnsweredOnce(t *testing.T) {
 			}
 			wg.Wait()
 			b.waitTerminal(time.Minute)
-			require.Equal(t, []int{100}, query[int](t, b.db, `SELECT count(*)::int FROM agent_outbox WHERE status = 'done' AND reply_id IS NOT NULL`))
+			require.Equal(t, []int{100}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_outbox WHERE status = 'done' AND reply_id IS NOT NULL`))
 			// Each user message appears in exactly one reply.
-			require.Equal(t, []int{0}, query[int](t, b.db, `SELECT count(*)::int FROM (
+			require.Equal(t, []int{0}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM (
 				SELECT o.id FROM agent_outbox o JOIN messages r ON r.id = o.reply_id
 				WHERE r.role = 'assistant' GROUP BY o.id HAVING count(*) <> 1) x`))
 		})

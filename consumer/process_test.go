@@ -185,7 +185,7 @@ func (b *bundle) consumerInfo(js jetstream.JetStream) *jetstream.ConsumerInfo {
 // a run that has not finished lasts forever.
 func requireNoOverlappingRuns(t *testing.T, b *bundle) {
 	t.Helper()
-	require.Equal(t, []int{0}, query[int](t, b.db, `SELECT count(*)::int FROM agent_runs a JOIN agent_runs r
+	require.Equal(t, []int{0}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_runs a JOIN agent_runs r
 		ON r.conversation_id = a.conversation_id AND r.run_id < a.run_id
 		WHERE tstzrange(a.started_at, a.finished_at) && tstzrange(r.started_at, r.finished_at)`),
 		"runs of one conversation overlap")
@@ -248,13 +248,13 @@ func TestThreeWorkerProcesses(t *testing.T) {
 		}
 		i = j
 	}
-	require.Equal(t, []int{len(replies)}, query[int](t, b.db, `SELECT count(*)::int FROM messages WHERE role <> 'user'`),
+	require.Equal(t, []int{len(replies)}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM messages WHERE role <> 'user'`),
 		"replies that answer no message, or error messages")
 
 	requireNoOverlappingRuns(t, b)
-	require.Equal(t, []int{0}, query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE outcome IS DISTINCT FROM 'done'`))
-	workers := query[string](t, b.db, `SELECT DISTINCT worker FROM agent_runs ORDER BY 1`)
-	t.Logf("%d replies from %d runs by %d workers", len(replies), query[int](t, b.db, `SELECT count(*)::int FROM agent_runs`)[0], len(workers))
+	require.Equal(t, []int{0}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE outcome IS DISTINCT FROM 'done'`))
+	workers := testsvc.Query[string](t, b.db, `SELECT DISTINCT worker FROM agent_runs ORDER BY 1`)
+	t.Logf("%d replies from %d runs by %d workers", len(replies), testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_runs`)[0], len(workers))
 	require.Len(t, workers, 3, "every worker process took turns")
 
 	b.waitEventsAcked(time.Minute)
@@ -296,13 +296,13 @@ func TestKillWorkerAtEachPoint(t *testing.T) {
 					info := b.consumerInfo(js)
 					return info != nil && info.NumAckPending == 1 && info.NumPending == 0
 				}, time.Minute, 10*time.Millisecond, "the worker never took the event")
-				require.Equal(t, []string{"pending"}, query[string](t, b.db, `SELECT status FROM agent_outbox WHERE id = $1`, id))
+				require.Equal(t, []string{"pending"}, testsvc.Query[string](t, b.db, `SELECT status FROM agent_outbox WHERE id = $1`, id))
 				first.kill(t)
-				require.Equal(t, []int{0}, query[int](t, b.db, `SELECT count(*)::int FROM agent_runs`))
+				require.Equal(t, []int{0}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_runs`))
 			} else {
 				killed = first.waitPaused(t, time.Minute)
 				require.Equal(t, "c", killed.conversationID)
-				require.Equal(t, []string{"processing"}, query[string](t, b.db,
+				require.Equal(t, []string{"processing"}, testsvc.Query[string](t, b.db,
 					`SELECT status FROM agent_outbox WHERE id = $1 AND run_id = $2`, id, killed.runID))
 				first.kill(t)
 			}
@@ -310,35 +310,35 @@ func TestKillWorkerAtEachPoint(t *testing.T) {
 			b.startWorker(common...)
 			b.waitTerminal(time.Minute)
 
-			roles := query[string](t, b.db, `SELECT role FROM messages WHERE conversation_id = 'c' AND role <> 'user' ORDER BY created_at`)
-			runs := query[string](t, b.db, `SELECT outcome FROM agent_runs ORDER BY started_at`)
-			require.Equal(t, []int{0}, query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE finished_at IS NULL`))
-			require.Equal(t, []int{0}, query[int](t, b.db, `SELECT count(*)::int FROM operations WHERE status = 'running'`),
+			roles := testsvc.Query[string](t, b.db, `SELECT role FROM messages WHERE conversation_id = 'c' AND role <> 'user' ORDER BY created_at`)
+			runs := testsvc.Query[string](t, b.db, `SELECT outcome FROM agent_runs ORDER BY started_at`)
+			require.Equal(t, []int{0}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_runs WHERE finished_at IS NULL`))
+			require.Equal(t, []int{0}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM operations WHERE status = 'running'`),
 				"operations left running")
 			switch {
 			case tc.beforeClaim:
 				// Never claimed: one run, which answers.
 				require.Equal(t, []string{"assistant"}, roles)
 				require.Equal(t, []string{"done"}, runs)
-				require.Equal(t, []string{"done 1"}, query[string](t, b.db, `SELECT status || ' ' || attempts FROM agent_outbox WHERE id = $1`, id))
+				require.Equal(t, []string{"done 1"}, testsvc.Query[string](t, b.db, `SELECT status || ' ' || attempts FROM agent_outbox WHERE id = $1`, id))
 			case tc.replayed:
 				// Replayed exactly once: the killed run was recovered, one more run answered.
 				require.Equal(t, []string{"assistant"}, roles)
 				require.Equal(t, []string{"recovered", "done"}, runs)
-				require.Equal(t, []string{"recovered"}, query[string](t, b.db, `SELECT outcome FROM agent_runs WHERE run_id = $1`, killed.runID))
-				require.Equal(t, []string{"done 2"}, query[string](t, b.db, `SELECT status || ' ' || attempts FROM agent_outbox WHERE id = $1`, id))
-				require.Equal(t, []string{"echo: hello"}, query[string](t, b.db, `SELECT r.content FROM agent_outbox o
+				require.Equal(t, []string{"recovered"}, testsvc.Query[string](t, b.db, `SELECT outcome FROM agent_runs WHERE run_id = $1`, killed.runID))
+				require.Equal(t, []string{"done 2"}, testsvc.Query[string](t, b.db, `SELECT status || ' ' || attempts FROM agent_outbox WHERE id = $1`, id))
+				require.Equal(t, []string{"echo: hello"}, testsvc.Query[string](t, b.db, `SELECT r.content FROM agent_outbox o
 					JOIN messages r ON r.id = o.reply_id WHERE o.id = $1`, id))
 			default:
 				// A side effect ran: a visible error, no replay.
 				require.Equal(t, []string{"error"}, roles)
 				require.Len(t, runs, 1, "the turn was replayed after a side effect")
 				require.Contains(t, []string{"recovered", "error"}, runs[0])
-				require.Equal(t, []string{"error 1"}, query[string](t, b.db, `SELECT status || ' ' || attempts FROM agent_outbox WHERE id = $1`, id))
-				require.Equal(t, []string{"error"}, query[string](t, b.db, `SELECT r.role FROM agent_outbox o
+				require.Equal(t, []string{"error 1"}, testsvc.Query[string](t, b.db, `SELECT status || ' ' || attempts FROM agent_outbox WHERE id = $1`, id))
+				require.Equal(t, []string{"error"}, testsvc.Query[string](t, b.db, `SELECT r.role FROM agent_outbox o
 					JOIN messages r ON r.id = o.reply_id WHERE o.id = $1`, id))
 				// The write is still on record, attached to the error message.
-				require.Equal(t, []int{1}, query[int](t, b.db, `SELECT count(*)::int FROM operations o JOIN agent_outbox x ON x.reply_id = o.message_id
+				require.Equal(t, []int{1}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM operations o JOIN agent_outbox x ON x.reply_id = o.message_id
 					WHERE o.run_id = $1 AND o.effect = 'write' AND o.status IN ('done', 'error') AND x.id = $2`, killed.runID, id))
 			}
 			requireNoOverlappingRuns(t, b)

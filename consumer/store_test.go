@@ -262,8 +262,8 @@ func TestFinishManyIsolatesFailedRuns(t *testing.T) {
 	require.ErrorIs(t, errs[1], errLeaseLost)
 	require.ErrorIs(t, errs[2], errConversationGone)
 	require.NoError(t, errs[3])
-	require.Equal(t, []string{"c", "d"}, query[string](t, db, `SELECT conversation_id FROM agent_outbox WHERE status = 'done' ORDER BY 1`))
-	require.Equal(t, []string{"re c", "re d"}, query[string](t, db, `SELECT content FROM messages WHERE role = 'assistant' ORDER BY 1`))
+	require.Equal(t, []string{"c", "d"}, testsvc.Query[string](t, db, `SELECT conversation_id FROM agent_outbox WHERE status = 'done' ORDER BY 1`))
+	require.Equal(t, []string{"re c", "re d"}, testsvc.Query[string](t, db, `SELECT content FROM messages WHERE role = 'assistant' ORDER BY 1`))
 
 	// All good: one statement ends them all.
 	var more []finishReq
@@ -280,15 +280,6 @@ func TestFinishManyIsolatesFailedRuns(t *testing.T) {
 	require.Equal(t, []error{nil, nil, nil}, errs)
 	require.Equal(t, 3, scalar[int](t, db, `SELECT count(*) FROM agent_outbox WHERE status = 'error' AND last_error = 'r'`))
 	require.Equal(t, 3, scalar[int](t, db, `SELECT count(*) FROM agent_runs WHERE outcome = 'error'`))
-}
-
-func query[T any](t *testing.T, db *testsvc.Database, sql string, args ...any) []T {
-	t.Helper()
-	rows, err := db.Pool.Query(context.Background(), sql, args...)
-	require.NoError(t, err)
-	out, err := pgx.CollectRows(rows, pgx.RowTo[T])
-	require.NoError(t, err)
-	return out
 }
 
 // A run that no longer holds its turn (recovered, reclaimed, or past its lease) cannot start a
@@ -321,7 +312,7 @@ func TestToolRefusedAfterTheTurnIsLost(t *testing.T) {
 			_, err = turn.Tool(ctx, "send_email", Write, "q", func(context.Context) (any, error) { ran = true; return nil, nil })
 			require.ErrorIs(t, err, errLeaseLost)
 			require.False(t, ran, "the tool must not run")
-			require.Equal(t, []string{"lookup"}, query[string](t, db, `SELECT tool FROM operations ORDER BY id`))
+			require.Equal(t, []string{"lookup"}, testsvc.Query[string](t, db, `SELECT tool FROM operations ORDER BY id`))
 		})
 	}
 }
