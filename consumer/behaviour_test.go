@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -12,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/consumer"
@@ -234,24 +236,39 @@ func TestReadToolFailureIsRetried(t *testing.T) {
 	require.Equal(t, []string{"retry", "done"}, testsvc.Query[string](t, b.db, `SELECT outcome FROM agent_runs ORDER BY started_at`))
 }
 
-// counter reads a counter of reg with the given label value (any label name).
-func counter(t *testing.T, reg *prometheus.Registry, name, label string) float64 {
+// gathered returns the series of metric name in regs.
+func gathered(t *testing.T, name string, regs ...*prometheus.Registry) []*dto.Metric {
 	t.Helper()
-	families, err := reg.Gather()
-	require.NoError(t, err)
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetValue() == label {
-					return m.GetCounter().GetValue()
-				}
+	var out []*dto.Metric
+	for _, reg := range regs {
+		families, err := reg.Gather()
+		require.NoError(t, err)
+		for _, f := range families {
+			if f.GetName() == name {
+				out = append(out, f.GetMetric()...)
 			}
 		}
 	}
-	return 0
+	return out
+}
+
+// counter reads a counter of reg with the given label value (any label name).
+func counter(t *testing.T, reg *prometheus.Registry, name, label string) float64 {
+	t.Helper()
+	return counterSum(t, []*prometheus.Registry{reg}, name, label)
+}
+
+// counterSum adds up counter name over regs: its series with a label of value label, or all of
+// them when label is "".
+func counterSum(t *testing.T, regs []*prometheus.Registry, name, label string) float64 {
+	t.Helper()
+	var sum float64
+	for _, m := range gathered(t, name, regs...) {
+		if label == "" || slices.ContainsFunc(m.GetLabel(), func(l *dto.LabelPair) bool { return l.GetValue() == label }) {
+			sum += m.GetCounter().GetValue()
+		}
+	}
+	return sum
 }
 
 // requireAllAcked waits until the durable consumer has nothing pending or unacknowledged.

@@ -200,44 +200,13 @@ func meanBatch(t *testing.T, regs []*prometheus.Registry, statement string) floa
 	t.Helper()
 	var sum float64
 	var n uint64
-	for _, reg := range regs {
-		families, err := reg.Gather()
-		require.NoError(t, err)
-		for _, f := range families {
-			if f.GetName() != "baton_worker_batch_size" {
-				continue
-			}
-			for _, m := range f.GetMetric() {
-				if m.GetLabel()[0].GetValue() == statement {
-					sum += m.GetHistogram().GetSampleSum()
-					n += m.GetHistogram().GetSampleCount()
-				}
-			}
+	for _, m := range gathered(t, "baton_worker_batch_size", regs...) {
+		if m.GetLabel()[0].GetValue() == statement {
+			sum += m.GetHistogram().GetSampleSum()
+			n += m.GetHistogram().GetSampleCount()
 		}
 	}
 	return sum / float64(max(n, 1))
-}
-
-// counterSum adds up counter name (with a label of value label, or any when label is "")
-// over the workers' registries.
-func counterSum(t *testing.T, regs []*prometheus.Registry, name, label string) float64 {
-	t.Helper()
-	var sum float64
-	for _, reg := range regs {
-		families, err := reg.Gather()
-		require.NoError(t, err)
-		for _, f := range families {
-			if f.GetName() != name {
-				continue
-			}
-			for _, m := range f.GetMetric() {
-				if label == "" || (len(m.GetLabel()) > 0 && m.GetLabel()[0].GetValue() == label) {
-					sum += m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
-	return sum
 }
 
 func benchEnabled() bool { return os.Getenv("BATON_BENCH") != "" }
