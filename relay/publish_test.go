@@ -39,12 +39,18 @@ func realReplies(t *testing.T, nc *nats.Conn) (ack, dup, apiErr []byte) {
 	return request("one"), request("one"), request("two")
 }
 
-func TestParsePubAckReadsRealReplies(t *testing.T) {
-	t.Parallel()
-	ns := testsvc.StartNATS(t)
-	nc, err := nats.Connect(ns.URL())
+// connectNATS starts a JetStream server for the test and connects to it.
+func connectNATS(t *testing.T) *nats.Conn {
+	t.Helper()
+	nc, err := nats.Connect(testsvc.StartNATS(t).URL())
 	require.NoError(t, err)
 	t.Cleanup(nc.Close)
+	return nc
+}
+
+func TestParsePubAckReadsRealReplies(t *testing.T) {
+	t.Parallel()
+	nc := connectNATS(t)
 	ack, dup, apiErr := realReplies(t, nc)
 	t.Logf("replies: %s %s %s", ack, dup, apiErr)
 
@@ -68,10 +74,7 @@ func TestParsePubAckReadsRealReplies(t *testing.T) {
 // session: a JetStream API error (classified by ErrorCode) and "no responders".
 func TestPublisherReportsEachKindOfReply(t *testing.T) {
 	t.Parallel()
-	ns := testsvc.StartNATS(t)
-	nc, err := nats.Connect(ns.URL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
+	nc := connectNATS(t)
 	realReplies(t, nc) // creates the stream and fills it
 
 	results := make(chan ackResult, 4)
@@ -113,10 +116,7 @@ func TestPublisherReportsEachKindOfReply(t *testing.T) {
 // Late replies are dropped: after close, nothing reaches deliver.
 func TestPublisherDropsRepliesAfterClose(t *testing.T) {
 	t.Parallel()
-	ns := testsvc.StartNATS(t)
-	nc, err := nats.Connect(ns.URL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
+	nc := connectNATS(t)
 	realReplies(t, nc)
 
 	results := make(chan ackResult, 4)
