@@ -276,16 +276,11 @@ SELECT baton_fence(count(*) = cardinality($9::bigint[]) OR (SELECT count(*) FROM
                    'a run no longer owns its rows')
 FROM done`
 
-// finish commits the end of run in one transaction: the logical message naming the answered
-// rows, the reply or error message, the run's operations attached to it, the claimed rows
-// terminal, the conversation's metadata and the run's record. It fails with errLeaseLost when
-// any claimed row is no longer this run's, and with errConversationGone when the conversation
-// was deleted; either way nothing is written.
-func (s *store) finish(ctx context.Context, conversationID, runID string, ids []int64, o outcome) (string, error) {
-	r := finishReq{conversationID: conversationID, runID: runID, ids: ids, outcome: o}
-	return r.replyID(), s.finishOne(ctx, r)
-}
-
+// finishOne commits the end of run r in one transaction: the logical message naming the
+// answered rows, the reply or error message, the run's operations attached to it, the claimed
+// rows terminal, the conversation's metadata and the run's record. It fails with errLeaseLost
+// when any claimed row is no longer this run's, and with errConversationGone when the
+// conversation was deleted; either way nothing is written.
 func (s *store) finishOne(ctx context.Context, r finishReq) error {
 	err := s.finishAll(ctx, []finishReq{r})
 	if err != nil && !runFailed(err) {
@@ -500,9 +495,9 @@ func (s *store) recoverRun(ctx context.Context, runID string) (recovered, error)
 		return r, fmt.Errorf("recover run %s: %w", runID, err)
 	}
 	if r.failed {
-		if _, err := s.finish(ctx, r.conversationID, runID, r.ids, outcome{role: "error",
-			content: "This request failed: " + r.reason + ".", reason: r.reason}); err != nil &&
-			!errors.Is(err, errConversationGone) && !errors.Is(err, errLeaseLost) {
+		err := s.finishOne(ctx, finishReq{r.conversationID, runID, r.ids, outcome{role: "error",
+			content: "This request failed: " + r.reason + ".", reason: r.reason}})
+		if err != nil && !runFailed(err) {
 			return r, err
 		}
 	}

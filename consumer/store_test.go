@@ -71,7 +71,7 @@ func TestFinishIsFencedByRunID(t *testing.T) {
 			_, err := db.Pool.Exec(ctx, `UPDATE agent_outbox SET run_id = gen_random_uuid() WHERE `+where, run)
 			require.NoError(t, err)
 
-			_, err = s.finish(ctx, "c", run, c.ids, outcome{role: "assistant", content: "late"})
+			err = s.finishOne(ctx, finishReq{"c", run, c.ids, outcome{role: "assistant", content: "late"}})
 			require.ErrorIs(t, err, errLeaseLost)
 			require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM messages WHERE role <> 'user'`), "no reply committed")
 			require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM agent_outbox WHERE status <> 'processing'`), "rows untouched")
@@ -92,7 +92,7 @@ func TestFinishAfterConversationDeleted(t *testing.T) {
 	_, err := db.Pool.Exec(ctx, `DELETE FROM conversations WHERE id = 'c'`)
 	require.NoError(t, err)
 
-	_, err = s.finish(ctx, "c", run, c.ids, outcome{role: "assistant", content: "late"})
+	err = s.finishOne(ctx, finishReq{"c", run, c.ids, outcome{role: "assistant", content: "late"}})
 	require.ErrorIs(t, err, errConversationGone)
 	require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM conversations`))
 	require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM messages`))
@@ -166,7 +166,7 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers'`, run, c.ids[0]))
 	narrow("final commit", finishPlan)
 
-	_, err = s.finish(ctx, "c", run, c.ids, outcome{role: "assistant", content: "ok"})
+	err = s.finishOne(ctx, finishReq{"c", run, c.ids, outcome{role: "assistant", content: "ok"}})
 	require.NoError(t, err)
 	require.Equal(t, "done", scalar[string](t, db, `SELECT status FROM agent_outbox WHERE conversation_id = 'c'`))
 }
