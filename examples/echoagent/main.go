@@ -13,11 +13,12 @@
 // Start as many as you like: at most one turn per conversation runs at a time across all of
 // them. Without BATON_NATS_URL (or with --source polling) the worker claims straight from
 // agent_outbox and needs no relay. The pool size comes from the URL (pool_max_conns=...).
-// SIGINT or SIGTERM stops it gracefully: running turns get a few seconds to finish.
+// SIGINT or SIGTERM stops it gracefully: running turns get --shutdown-grace (default 10s) to
+// finish, then they are cancelled.
 //
-// --pause-at and --fail are test hooks: --pause-at prints "PAUSED <point> <run_id>
-// <conversation_id>" on stdout when a turn reaches the point and then holds the turn, so a
-// test can kill -9 the process exactly there.
+// hooks.go holds the test hooks --write-tool, --fail and --pause-at <point>, which tests use
+// to hold a turn at a point (model, after-read, during-write, after-write, before-commit) and
+// kill, stop or freeze the process exactly there.
 package main
 
 import (
@@ -27,7 +28,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -51,9 +51,6 @@ func main() {
 	}
 }
 
-// pausePoints are the values of --pause-at, in the order a turn reaches them.
-var pausePoints = []string{"model", "after-read", "after-write", "before-commit"}
-
 func run(ctx context.Context) error {
 	cfg, err := config.FromEnv()
 	if err != nil {
@@ -63,9 +60,7 @@ func run(ctx context.Context) error {
 		config.EnvMetricsAddr, config.EnvLogLevel, config.EnvLogFormat)
 	var a agent
 	flag.DurationVar(&a.latency, "model-latency", 0, "how long each simulated model call takes")
-	flag.BoolVar(&a.writeTool, "write-tool", false, "call the side-effecting notify tool in every turn")
-	flag.BoolVar(&a.fail, "fail", false, "fail every turn (test hook)")
-	flag.StringVar(&a.pauseAt, "pause-at", "", "hold every turn at `point`: "+strings.Join(pausePoints, ", ")+" (test hook)")
+	a.hooks.bindFlags(flag.CommandLine)
 	source := flag.String("source", "", "`source` of turns: jetstream or polling (default jetstream when a NATS URL is set)")
 	var wc consumer.Config
 	flag.DurationVar(&wc.Debounce, "debounce", 0, "wait after a conversation's first event before claiming (default 5ms)")
@@ -74,6 +69,7 @@ func run(ctx context.Context) error {
 	flag.IntVar(&wc.MaxConcurrentTurns, "concurrency", 0, "turns this worker runs at once (default 128)")
 	flag.DurationVar(&wc.RecoveryInterval, "recovery-interval", 0, "how often expired leases are recovered (default 5s)")
 	flag.DurationVar(&wc.AckWait, "ack-wait", 0, "JetStream ack wait of the shared durable consumer (default 30s)")
+	flag.DurationVar(&wc.ShutdownGrace, "shutdown-grace", 0, "how long running turns may finish after SIGTERM before they are cancelled (default 10s)")
 	flag.Parse()
 	if flag.NArg() > 0 {
 		return fmt.Errorf("unexpected argument %q", flag.Arg(0))
@@ -84,10 +80,9 @@ func run(ctx context.Context) error {
 	if err := cfg.Require(config.EnvDatabaseURL); err != nil {
 		return err
 	}
-	if a.pauseAt != "" && !slices.Contains(pausePoints, a.pauseAt) {
-		return fmt.Errorf("--pause-at must be one of %s", strings.Join(pausePoints, ", "))
+	if err := a.hooks.check(); err != nil {
+		return err
 	}
-	a.writeTool = a.writeTool || a.pauseAt == "after-write"
 	if *source == "" {
 		*source = "polling"
 		if cfg.NATSURL != "" {
@@ -146,15 +141,13 @@ var errStopped = errors.New("stopped")
 
 // agent is the turn handler: a model call, a read tool, optionally a write tool, then the reply.
 type agent struct {
-	latency   time.Duration
-	writeTool bool
-	fail      bool
-	pauseAt   string
+	latency time.Duration
+	hooks   // test hooks (hooks.go)
 }
 
 func (a *agent) handle(ctx context.Context, t *consumer.Turn) (consumer.Reply, error) {
-	if a.fail {
-		return consumer.Reply{}, errors.New("echoagent runs with --fail")
+	if err := a.failure(); err != nil {
+		return consumer.Reply{}, err
 	}
 	reply, err := a.model(ctx, t)
 	if err != nil {
@@ -179,7 +172,10 @@ func (a *agent) handle(ctx context.Context, t *consumer.Turn) (consumer.Reply, e
 	// ends as a visible error instead of a replay.
 	if a.writeTool {
 		if _, err := t.Tool(ctx, "notify", consumer.Write, map[string]string{"text": reply},
-			func(context.Context) (any, error) {
+			func(ctx context.Context) (any, error) {
+				if err := a.pause(ctx, "during-write", t); err != nil {
+					return nil, err // cancelled mid-call: it may or may not have been sent
+				}
 				return map[string]bool{"sent": true}, nil // a real tool would call out here
 			}); err != nil {
 			return consumer.Reply{}, err
@@ -209,15 +205,4 @@ func (a *agent) model(ctx context.Context, t *consumer.Turn) (string, error) {
 		parts[i] = m.Content
 	}
 	return "echo: " + strings.Join(parts, " | "), nil
-}
-
-// pause is the --pause-at test hook: at the chosen point it prints one line and holds the turn
-// until ctx ends. os.Stdout is unbuffered, so the line is out before the turn blocks.
-func (a *agent) pause(ctx context.Context, point string, t *consumer.Turn) error {
-	if a.pauseAt != point {
-		return nil
-	}
-	fmt.Printf("PAUSED %s %s %s\n", point, t.RunID, t.ConversationID)
-	<-ctx.Done()
-	return ctx.Err()
 }
