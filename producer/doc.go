@@ -24,6 +24,14 @@
 //     AlreadyAccepted. The same id with a different conversation or different content, or held
 //     by a message this package did not write, is ErrConflict. So one message id never makes a
 //     second message, outbox row or turn.
+//   - A conflict reveals nothing: ErrConflict is one error with one text for every case, naming
+//     only the caller's own ids. A caller sending id X into conversation B cannot tell whether X
+//     is held in another conversation, by a message of another role or with other content.
+//   - Baton's ids are reserved: message ids starting with ReservedIDPrefix ("baton:") belong to
+//     the messages Baton writes itself (worker replies and errors). Send refuses them, in any
+//     ASCII letter case ("BATON:", "Baton:", ...), as an *InputError for field ID
+//     (ErrInvalidInput) before any I/O, so a client message never takes one of those ids.
+//     Conversation ids have no reserved prefix.
 //   - No queue fields from callers: the outbox insert names only conversation_id and
 //     message_id, so every row starts as the schema's default (pending, zero attempts, no
 //     claim). Message has no field that could say otherwise. The message's role is always user.

@@ -23,6 +23,14 @@ const maxContentLimit = 1 << 30
 // MaxIDBytes is the longest conversation or message id, in bytes, that the schema accepts.
 const MaxIDBytes = 200
 
+// ReservedIDPrefix starts the ids of the messages Baton writes itself, such as a worker's reply
+// or error message ("baton:reply:<random>"). Send and SendTx refuse a message id that starts with
+// it in any ASCII letter case ("baton:", "BATON:", "Baton:", ...) with an *InputError for field
+// ID, so no client message can take, or be mistaken for, one of Baton's ids. Postgres compares
+// ids exactly; refusing every case variant keeps the namespace clear of look-alikes too.
+// Conversation ids are the application's own and have no reserved prefix.
+const ReservedIDPrefix = "baton:"
+
 // lookupAttempts bounds how often send starts over when the message holding an id vanished
 // before it could be read (its conversation was deleted in between).
 const lookupAttempts = 3
@@ -66,7 +74,8 @@ type Message struct {
 	// ConversationID names an existing conversation (see CreateConversation).
 	ConversationID string
 	// ID is the client's request id and becomes the message's primary key: sending the same
-	// message with the same ID again is a no-op (see Result.AlreadyAccepted).
+	// message with the same ID again is a no-op (see Result.AlreadyAccepted). It must not start
+	// with ReservedIDPrefix, in any letter case.
 	ID string
 	// Content is the message text: non-empty, valid UTF-8 without NUL bytes, at most
 	// Config.MaxContentBytes bytes.
@@ -106,9 +115,11 @@ type querier interface {
 // Send is idempotent by msg.ID. If a message with that ID already exists with the same
 // conversation and content (a retry, including one racing the original), Send writes nothing
 // and returns the existing outbox row with AlreadyAccepted set. If the ID belongs to a
-// different message, Send returns ErrConflict. A missing conversation is
-// ErrConversationNotFound; Send never creates one. Invalid input is an *InputError
-// (ErrInvalidInput), found before any I/O.
+// different message, Send returns ErrConflict, which says nothing more about that message (not
+// its conversation, role or content), so a caller cannot learn what other conversations hold.
+// A missing conversation is ErrConversationNotFound; Send never creates one. Invalid input,
+// including an ID that starts with ReservedIDPrefix, is an *InputError (ErrInvalidInput), found
+// before any I/O.
 //
 // If Send returns a network error, the write may or may not have committed: call Send again with
 // the same message to find out.
@@ -153,21 +164,20 @@ INSERT INTO agent_outbox (conversation_id, message_id)
 SELECT conversation_id, id FROM m
 RETURNING id, created_at`
 
-// lookupSQL reads the message that holds an id and its outbox row, and compares the message
-// with the one being sent.
+// lookupSQL reads the outbox row of the message that holds an id, and whether that message is
+// the one being sent: same conversation, a user message, same content. It answers one boolean,
+// not which of these differs, so the reason for a conflict is never read, logged or returned.
 const lookupSQL = `
 SELECT x.id, x.created_at,
-	e.conversation_id = $2, e.role = 'user', e.content = $3
+	e.conversation_id = $2 AND e.role = 'user' AND e.content = $3
 FROM messages e LEFT JOIN agent_outbox x ON x.message_id = e.id
 WHERE e.id = $1`
 
 // existing is what lookupSQL says about the message holding an id.
 type existing struct {
-	outboxID    *int64
-	createdAt   *time.Time
-	sameConv    bool
-	isUser      bool
-	sameContent bool
+	outboxID  *int64
+	createdAt *time.Time
+	same      bool // same conversation, role user and same content
 }
 
 func (p *Producer) send(ctx context.Context, q querier, msg Message, inTx bool) (Result, error) {
@@ -184,7 +194,7 @@ func (p *Producer) send(ctx context.Context, q querier, msg Message, inTx bool) 
 			// The id is taken: a retry, or a different message.
 			var e existing
 			err = q.QueryRow(ctx, lookupSQL, msg.ID, msg.ConversationID, msg.Content).
-				Scan(&e.outboxID, &e.createdAt, &e.sameConv, &e.isUser, &e.sameContent)
+				Scan(&e.outboxID, &e.createdAt, &e.same)
 			if errors.Is(err, pgx.ErrNoRows) {
 				// The message that held the id is gone again: its conversation was deleted in
 				// between. Start over; the insert now succeeds or finds the conversation missing.
@@ -211,22 +221,15 @@ func (p *Producer) send(ctx context.Context, q querier, msg Message, inTx bool) 
 }
 
 // result turns an existing message into the Result of a retry, or an ErrConflict.
+//
+// Every conflict is the bare ErrConflict: the id may be held by a message in another
+// conversation, and whoever sends into this one must not learn that it exists, whose it is or
+// what it says. A message without outbox row was not written by this package (it always writes
+// both); recreating the row could start a second turn for a message already answered, so it is
+// a conflict too.
 func (e existing) result() (Result, error) {
-	var reason string
-	switch {
-	case !e.sameConv:
-		reason = "belongs to another conversation"
-	case !e.isUser:
-		reason = "is not a user message"
-	case !e.sameContent:
-		reason = "has different content"
-	case e.outboxID == nil || e.createdAt == nil:
-		// Not written by this package (it always writes both). Recreating the outbox row could
-		// start a second turn for a message that was already answered, so refuse.
-		reason = "has no outbox row"
-	}
-	if reason != "" {
-		return Result{}, fmt.Errorf("%w: the existing message %s", ErrConflict, reason)
+	if !e.same || e.outboxID == nil || e.createdAt == nil {
+		return Result{}, ErrConflict
 	}
 	return Result{OutboxID: *e.outboxID, AlreadyAccepted: true, CreatedAt: *e.createdAt}, nil
 }
@@ -281,6 +284,10 @@ func (p *Producer) validate(msg Message) error {
 	if err := validateID("ID", msg.ID); err != nil {
 		return err
 	}
+	if hasReservedPrefix(msg.ID) {
+		return &InputError{Field: "ID",
+			Reason: fmt.Sprintf("starts with %q (in any letter case), a prefix reserved for Baton's own messages", ReservedIDPrefix)}
+	}
 	return validateContent(msg.Content, p.maxContentBytes)
 }
 
@@ -292,6 +299,14 @@ func validateID(field, id string) error {
 		return &InputError{Field: field, Reason: fmt.Sprintf("is %d bytes, over the limit of %d", len(id), MaxIDBytes)}
 	}
 	return validateText(field, id)
+}
+
+// hasReservedPrefix reports whether id starts with ReservedIDPrefix in any ASCII letter case.
+// EqualFold over exactly len(ReservedIDPrefix) bytes matches only ASCII: every rune that folds to
+// an ASCII letter but is not one takes more than one byte, so it cannot fit.
+func hasReservedPrefix(id string) bool {
+	n := len(ReservedIDPrefix)
+	return len(id) >= n && strings.EqualFold(id[:n], ReservedIDPrefix)
 }
 
 func validateContent(content string, maxBytes int) error {

@@ -372,6 +372,65 @@ func TestSendSameIDDifferentMessageIsConflict(t *testing.T) {
 	b.requireRows(t, 5, 3)
 }
 
+// A conflict says only that the id is taken. A client sending id X into its conversation must
+// not learn that X exists in another conversation, that message's role or content, or how it was
+// written: every kind of conflict has the same error text, naming only the caller's own ids.
+func TestSendConflictRevealsNothingAboutTheExistingMessage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.conversation(t, "mine")
+	b.conversation(t, "secret-other-conv")
+
+	const id = "X"
+	sent := msg("mine", id, "hello")
+	cases := []struct {
+		name  string
+		state func(t *testing.T) // puts a message with id X in place
+	}{
+		{"same id in another conversation", func(t *testing.T) {
+			_, err := b.p.Send(b.ctx, b.db.Pool, msg("secret-other-conv", id, "hello"))
+			require.NoError(t, err)
+		}},
+		{"same id in another conversation with other content", func(t *testing.T) {
+			_, err := b.p.Send(b.ctx, b.db.Pool, msg("secret-other-conv", id, "secret content"))
+			require.NoError(t, err)
+		}},
+		{"same id in another conversation not a user message", func(t *testing.T) {
+			b.exec(t, `INSERT INTO messages (id, conversation_id, role, content)
+				VALUES ($1, 'secret-other-conv', 'assistant', 'hello')`, id)
+		}},
+		{"same id, different content in the same conversation", func(t *testing.T) {
+			_, err := b.p.Send(b.ctx, b.db.Pool, msg("mine", id, "secret content"))
+			require.NoError(t, err)
+		}},
+		{"same id, same content, not a user message", func(t *testing.T) {
+			b.exec(t, `INSERT INTO messages (id, conversation_id, role, content)
+				VALUES ($1, 'mine', 'assistant', 'hello')`, id)
+		}},
+		{"same id, same content, no outbox row", func(t *testing.T) {
+			b.exec(t, `INSERT INTO messages (id, conversation_id, role, content)
+				VALUES ($1, 'mine', 'user', 'hello')`, id)
+		}},
+	}
+	want := `send message "X" to conversation "mine": ` + producer.ErrConflict.Error()
+	for _, tc := range cases {
+		b.exec(t, "DELETE FROM messages WHERE id = $1", id) // its outbox row goes with it
+		tc.state(t)
+
+		_, err := b.p.Send(b.ctx, b.db.Pool, sent)
+		require.ErrorIs(t, err, producer.ErrConflict, tc.name)
+		require.Equal(t, want, err.Error(), tc.name)
+		require.NotContains(t, err.Error(), "secret", tc.name)
+
+		tx, err := b.db.Pool.Begin(b.ctx)
+		require.NoError(t, err)
+		_, err = b.p.SendTx(b.ctx, tx, sent)
+		require.ErrorIs(t, err, producer.ErrConflict, tc.name)
+		require.Equal(t, want, err.Error(), tc.name)
+		require.NoError(t, tx.Rollback(b.ctx))
+	}
+}
+
 func TestSendMissingConversationWritesNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
