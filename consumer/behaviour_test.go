@@ -44,10 +44,10 @@ func TestAlwaysFailingHandlerEndsInOneVisibleError(t *testing.T) {
 			require.Equal(t, []int{3}, testsvc.Query[int](t, b.db, `SELECT attempts FROM agent_outbox`))
 			errs := testsvc.Query[string](t, b.db, `SELECT content FROM messages WHERE role = 'error'`)
 			require.Len(t, errs, 1, "exactly one visible error message")
-			require.Contains(t, errs[0], "model unavailable")
+			require.Equal(t, consumer.DefaultFailureMessage(nil), errs[0], "users see a generic message")
 			require.Empty(t, testsvc.Query[string](t, b.db, `SELECT id FROM messages WHERE role = 'assistant'`))
 			reason := testsvc.Query[string](t, b.db, `SELECT last_error FROM agent_outbox`)
-			require.Contains(t, reason[0], "failed after 3 attempts")
+			require.Equal(t, "attempts exhausted after 3 attempts: model unavailable", reason[0])
 			// No more attempts after the cap.
 			time.Sleep(200 * time.Millisecond) // a quiet period in which nothing may happen; not a synchronisation
 			require.EqualValues(t, 3, calls.Load())

@@ -66,8 +66,23 @@ type Config struct {
 	// MaxAckPending bounds the events held by all workers of the durable. Default 20000.
 	MaxAckPending int
 	// ShutdownGrace is how long running turns may finish after the worker is told to stop;
-	// then their context is cancelled and their rows are released. Default 10s.
+	// then their context is cancelled and their rows are released for another worker, the
+	// attempt not counted, unless a Write tool ran or may have run: such a turn ends as a
+	// visible failure. Default 10s.
 	ShutdownGrace time.Duration
+	// MaxTurnMessages caps the messages one claim takes; the rest go to the next turn.
+	// Default 100.
+	MaxTurnMessages int
+	// MaxTurnBytes caps the content one claim takes, in bytes, beyond its first message; the
+	// rest go to the next turn. A single message larger than this ends as a visible failure
+	// (ErrMessageTooLarge) without a handler call. Default 8 MiB.
+	MaxTurnBytes int
+	// FailureMessage returns the text of the error message a user sees when a request fails
+	// for good. Its error wraps ErrSideEffect, ErrAttemptsExhausted, ErrWorkerLost or
+	// ErrMessageTooLarge, and the handler's error where there was one; it must not put
+	// internal detail in front of users. The detail, secrets masked, goes to the outbox row's
+	// last_error, agent_runs.error and the logs. Default DefaultFailureMessage.
+	FailureMessage func(error) string
 
 	// Logger receives structured logs. Default: discard.
 	Logger *slog.Logger
@@ -120,6 +135,15 @@ func (c *Config) fill() error {
 	}
 	if c.MaxConcurrentTurns <= 0 {
 		c.MaxConcurrentTurns = 128
+	}
+	if c.MaxTurnMessages <= 0 {
+		c.MaxTurnMessages = 100
+	}
+	if c.MaxTurnBytes <= 0 {
+		c.MaxTurnBytes = 8 << 20
+	}
+	if c.FailureMessage == nil {
+		c.FailureMessage = DefaultFailureMessage
 	}
 	if c.MaxAckPending <= 0 {
 		c.MaxAckPending = 20000

@@ -11,12 +11,22 @@
 //     (store.finishMany). The update of the claimed rows is fenced by run id: a run whose rows
 //     were recovered or reclaimed commits nothing. Runs ending together share the statement;
 //     if one of them is fenced out, the others are committed one by one.
+//   - A claim takes an ordered prefix of the conversation's pending rows, capped by
+//     Config.MaxTurnMessages and Config.MaxTurnBytes, and nothing while the oldest backs off
+//     (claimSQL), so replies keep message order.
 //   - Every tool call goes through Turn.Tool, which records the operation as running before
-//     the tool runs. After a Write tool ran or may have run, a failed or interrupted turn ends
-//     as a visible error message in the conversation, never as an automatic replay.
-//   - Failed attempts without side effects go back to pending with backoff; at
-//     Config.MaxAttempts the turn ends as a visible error. Work is never deleted.
-//   - Expired leases are recovered at start and every RecoveryInterval (store.recoverRun).
+//     the tool runs, and only while the run holds every claimed row with a live lease
+//     (recordOperationSQL). A write operation row exists ⇒ the effect may have happened ⇒ the
+//     turn never replays automatically, whatever the row's status (endOfRun).
+//   - A turn without a reply ends by endOfRun, per row, in one transaction (store.endRun):
+//     a write ⇒ visible failure; shutdown ⇒ released, attempt refunded; the row's own attempts
+//     at Config.MaxAttempts ⇒ visible failure; else pending after a backoff. A visible failure
+//     shows users Config.FailureMessage, never internal error text. Work is never deleted.
+//   - Expired leases are recovered at start and every RecoveryInterval (store.recoverRun), all
+//     of a run's rows or none, by the same rule.
+//   - A shared final commit that fails is redone run by run, so one run's failure never fails
+//     another's; transient failures are retried, and a commit whose answer was lost is found
+//     by its reply id.
 //   - A turn event is acked only when its row is terminal (done or error) or gone; otherwise
 //     it is kept in progress or nacked with a delay, so JetStream keeps it until Postgres says
 //     the request is finished.

@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -69,7 +71,10 @@ func (w *Worker) onEvent(ctx context.Context, msg jetstream.Msg) {
 	if err == nil {
 		err = json.Unmarshal(msg.Data(), &ev)
 	}
-	if err != nil || ev.OutboxID != id || ev.ConversationID == "" {
+	if err == nil && !validID(ev.ConversationID) {
+		err = errors.New("conversation id is not 1-200 bytes of text without NUL")
+	}
+	if err != nil || ev.OutboxID != id {
 		w.cfg.Logger.Error("malformed turn event; terminating it", "subject", msg.Subject(), "error", err)
 		_ = msg.Term()
 		w.m.events.WithLabelValues("terminated").Inc()
@@ -84,4 +89,11 @@ func (w *Worker) onEvent(ctx context.Context, msg jetstream.Msg) {
 		seq = md.Sequence.Stream
 	}
 	w.schedule(ctx, ev.ConversationID, &event{outboxID: id, seq: seq, msg: msg}, ev.CreatedAt)
+}
+
+// validID reports whether id can be a conversation id: 1 to 200 bytes of valid UTF-8 with no
+// NUL (what Postgres text and the schema's check accept). An event naming anything else was
+// not written by the relay, and would fail every claim it joined.
+func validID(id string) bool {
+	return id != "" && len(id) <= 200 && utf8.ValidString(id) && !strings.ContainsRune(id, 0)
 }

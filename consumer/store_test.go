@@ -23,7 +23,8 @@ func storeFixture(t *testing.T) (*testsvc.Database, *store) {
 	_, err := db.Pool.Exec(context.Background(), `INSERT INTO conversations (id) VALUES ('c')`)
 	require.NoError(t, err)
 	return db, &store{pool: db.Pool, lease: time.Minute, maxAttempts: 3,
-		backoff: func(int) time.Duration { return 0 }, worker: "test"}
+		backoff: func(int) time.Duration { return 0 }, worker: "test",
+		maxRows: 100, maxBytes: 8 << 20, failureMessage: DefaultFailureMessage}
 }
 
 func send(t *testing.T, db *testsvc.Database, conv string, ids ...string) {
@@ -71,7 +72,7 @@ func TestFinishIsFencedByRunID(t *testing.T) {
 			_, err := db.Pool.Exec(ctx, `UPDATE agent_outbox SET run_id = gen_random_uuid() WHERE `+where, run)
 			require.NoError(t, err)
 
-			err = s.finishOne(ctx, finishReq{"c", run, c.ids, outcome{role: "assistant", content: "late"}})
+			err = s.finishOne(ctx, finishReq{conversationID: "c", runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "late"}})
 			require.ErrorIs(t, err, errLeaseLost)
 			require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM messages WHERE role <> 'user'`), "no reply committed")
 			require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM agent_outbox WHERE status <> 'processing'`), "rows untouched")
@@ -92,7 +93,7 @@ func TestFinishAfterConversationDeleted(t *testing.T) {
 	_, err := db.Pool.Exec(ctx, `DELETE FROM conversations WHERE id = 'c'`)
 	require.NoError(t, err)
 
-	err = s.finishOne(ctx, finishReq{"c", run, c.ids, outcome{role: "assistant", content: "late"}})
+	err = s.finishOne(ctx, finishReq{conversationID: "c", runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "late"}})
 	require.ErrorIs(t, err, errConversationGone)
 	require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM conversations`))
 	require.Zero(t, scalar[int](t, db, `SELECT count(*) FROM messages`))
@@ -151,7 +152,7 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 		}
 	}
 
-	claimPlan := plan(`text[], uuid[], bigint, text`, claimSQL, fmt.Sprintf(`'{c}', '{%s}', 60000, 'w'`, run),
+	claimPlan := plan(`text[], uuid[], bigint, text, int, int`, claimSQL, fmt.Sprintf(`'{c}', '{%s}', 60000, 'w', 100, 8388608`, run),
 		`SELECT set_config('baton.claim_locked', '["c"]', true)`)
 	narrow("claim", claimPlan)
 
@@ -166,7 +167,7 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers'`, run, c.ids[0]))
 	narrow("final commit", finishPlan)
 
-	err = s.finishOne(ctx, finishReq{"c", run, c.ids, outcome{role: "assistant", content: "ok"}})
+	err = s.finishOne(ctx, finishReq{conversationID: "c", runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "ok"}})
 	require.NoError(t, err)
 	require.Equal(t, "done", scalar[string](t, db, `SELECT status FROM agent_outbox WHERE conversation_id = 'c'`))
 }
@@ -228,8 +229,10 @@ func TestClaimStatementTakesOnlyLockedConversations(t *testing.T) {
 	var ids []int64
 	var attempts int
 	var raw []byte
+	var oversize bool
+	var wait *time.Time
 	require.NoError(t, tx.QueryRow(ctx, claimSQL, []string{"c"}, []string{"00000000-0000-4000-8000-000000000004"},
-		s.lease.Milliseconds(), s.worker).Scan(&conv, &locked, &busy, &ids, &attempts, &raw))
+		s.lease.Milliseconds(), s.worker, s.maxRows, s.maxBytes).Scan(&conv, &locked, &busy, &ids, &attempts, &raw, &oversize, &wait))
 	require.False(t, locked)
 	require.Empty(t, ids)
 	require.NoError(t, tx.Rollback(ctx))
@@ -249,7 +252,7 @@ func TestFinishManyIsolatesFailedRuns(t *testing.T) {
 		run := fmt.Sprintf("00000000-0000-4000-8000-%012d", 100+i)
 		c := claimOne(t, s, conv, run)
 		require.Len(t, c.ids, 1)
-		reqs = append(reqs, finishReq{conv, run, c.ids, outcome{role: "assistant", content: "re " + conv}})
+		reqs = append(reqs, finishReq{conversationID: conv, runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "re " + conv}})
 	}
 	_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET run_id = gen_random_uuid() WHERE conversation_id = 'lost'`)
 	require.NoError(t, err)
@@ -273,7 +276,7 @@ func TestFinishManyIsolatesFailedRuns(t *testing.T) {
 		send(t, db, conv, conv+"-m")
 		run := fmt.Sprintf("00000000-0000-4000-8000-%012d", 200+i)
 		c := claimOne(t, s, conv, run)
-		more = append(more, finishReq{conv, run, c.ids, outcome{role: "error", content: "failed " + conv, reason: "r"}})
+		more = append(more, finishReq{conversationID: conv, runID: run, ids: c.ids, outcome: outcome{role: "error", content: "failed " + conv, reason: "r"}})
 	}
 	errs, err = s.finishMany(ctx, more)
 	require.NoError(t, err)

@@ -6,8 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // Effect says what a tool call does outside the conversation.
@@ -50,42 +48,24 @@ func (t *Turn) History(ctx context.Context, limit int) ([]Message, error) {
 	if len(t.Messages) == 0 {
 		return nil, nil
 	}
-	rows, err := t.w.store.pool.Query(ctx, `SELECT id, role, content, created_at FROM (
-			SELECT id, role, content, created_at FROM messages
-			WHERE conversation_id = $1 AND (created_at, id) < ($2, $3)
-			ORDER BY created_at DESC, id DESC LIMIT $4) h
-		ORDER BY created_at, id`, t.ConversationID, t.Messages[0].CreatedAt, t.Messages[0].ID, limit)
-	if err != nil {
-		return nil, fmt.Errorf("load history of %q: %w", t.ConversationID, err)
-	}
-	msgs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[Message])
-	if err != nil {
-		return nil, fmt.Errorf("load history of %q: %w", t.ConversationID, err)
-	}
-	return msgs, nil
+	return t.w.store.history(ctx, t.ConversationID, t.Messages[0], limit)
 }
-
-// recordOperationSQL records a tool call as running, only while the run still holds its rows
-// with a live lease. FOR SHARE makes recovery (which takes expired rows FOR UPDATE SKIP
-// LOCKED) either wait until this operation is visible to it, or take the rows first, and then
-// this insert finds them no longer the run's. So a run that lost its turn can never start a
-// tool, and recovery never misses an operation that started: a write tool cannot run in a run
-// whose turn is replayed elsewhere.
-const recordOperationSQL = `
-INSERT INTO operations (run_id, conversation_id, tool, effect, input)
-SELECT $1, $2, $3, $4, $5
-WHERE EXISTS (SELECT FROM agent_outbox
-              WHERE conversation_id = $2 AND run_id = $1 AND status = 'processing' AND lease_expires_at > now()
-              FOR SHARE)
-RETURNING id`
 
 // ErrToolFailed wraps the error of a tool the turn called.
 var ErrToolFailed = errors.New("tool failed")
 
+// maxToolName bounds a tool's name as recorded.
+const maxToolName = 200
+
 // Tool runs one tool call of the turn with its effect declared. The operation is recorded
 // as running (with input) and committed before fn runs, then finished as done (with output) or
-// error. A worker that dies in between leaves a running operation that recovery marks as
-// interrupted; for a Write tool that turn then ends as a visible failure, never a replay.
+// error. Only a run that still holds every row it claimed, with a live lease, may start a
+// tool: otherwise Tool returns an error and fn does not run.
+//
+// For a Write tool, the operation's row alone means the effect may have happened, whatever
+// the row's status: if fn fails (its error may come after the effect, as a timeout does), is
+// cut short by shutdown, or the worker dies, the turn ends as a visible failure and is never
+// replayed automatically.
 func (t *Turn) Tool(ctx context.Context, tool string, effect Effect, input any, fn func(ctx context.Context) (any, error)) (any, error) {
 	if effect != Read && effect != Write {
 		return nil, fmt.Errorf("tool %s: effect must be read or write, not %q", tool, effect)
@@ -94,14 +74,10 @@ func (t *Turn) Tool(ctx context.Context, tool string, effect Effect, input any, 
 	if err != nil {
 		return nil, fmt.Errorf("tool %s: encode input: %w", tool, err)
 	}
-	pool := t.w.store.pool
-	var opID int64
-	err = pool.QueryRow(ctx, recordOperationSQL, t.RunID, t.ConversationID, tool, string(effect), in).Scan(&opID)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, fmt.Errorf("tool %s: not run: %w", tool, errLeaseLost)
-	}
+	s := t.w.store
+	opID, err := s.recordOperation(ctx, t.RunID, t.ConversationID, t.OutboxIDs, sanitize(tool, maxToolName), effect, in)
 	if err != nil {
-		return nil, fmt.Errorf("tool %s: record operation: %w", tool, err)
+		return nil, fmt.Errorf("tool %s: %w", tool, err)
 	}
 	t.w.m.operations.WithLabelValues(string(effect)).Inc()
 	out, runErr := fn(ctx)
@@ -109,8 +85,7 @@ func (t *Turn) Tool(ctx context.Context, tool string, effect Effect, input any, 
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	if runErr != nil {
-		if _, err := pool.Exec(rctx, `UPDATE operations SET status = 'error', error = $2, finished_at = now() WHERE id = $1`,
-			opID, runErr.Error()); err != nil {
+		if err := s.finishOperation(rctx, opID, "error", nil, detail(runErr)); err != nil {
 			return nil, fmt.Errorf("tool %s: record failure: %w", tool, err)
 		}
 		return nil, fmt.Errorf("%w: %s: %w", ErrToolFailed, tool, runErr)
@@ -119,8 +94,7 @@ func (t *Turn) Tool(ctx context.Context, tool string, effect Effect, input any, 
 	if err != nil {
 		return nil, fmt.Errorf("tool %s: encode output: %w", tool, err)
 	}
-	if _, err := pool.Exec(rctx, `UPDATE operations SET status = 'done', output = $2, finished_at = now() WHERE id = $1`,
-		opID, outJSON); err != nil {
+	if err := s.finishOperation(rctx, opID, "done", outJSON, ""); err != nil {
 		return nil, fmt.Errorf("tool %s: record result: %w", tool, err)
 	}
 	return out, nil

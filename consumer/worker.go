@@ -12,7 +12,6 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 	"golang.org/x/sync/errgroup"
 )
@@ -69,7 +68,8 @@ func New(cfg Config) (*Worker, error) {
 		sem:   make(chan struct{}, cfg.MaxConcurrentTurns),
 		convs: map[string]*convState{},
 	}
-	w.store = &store{pool: cfg.Pool, lease: cfg.Lease, maxAttempts: cfg.MaxAttempts, backoff: cfg.backoff, worker: cfg.Name}
+	w.store = &store{pool: cfg.Pool, lease: cfg.Lease, maxAttempts: cfg.MaxAttempts, backoff: cfg.backoff, worker: cfg.Name,
+		maxRows: cfg.MaxTurnMessages, maxBytes: cfg.MaxTurnBytes, failureMessage: cfg.FailureMessage}
 	return w, nil
 }
 
@@ -126,20 +126,21 @@ func (w *Worker) recoverOnce(ctx context.Context) {
 	for _, run := range runs {
 		r, err := w.store.recoverRun(ctx, run)
 		if err != nil {
-			w.cfg.Logger.Error("recovery", "run_id", run, "error", err)
+			w.cfg.Logger.Error("recovery", "run_id", run.runID, "conversation_id", run.conversationID, "error", err)
 			continue
 		}
 		if len(r.ids) == 0 {
 			continue
 		}
-		result := "pending"
-		if r.failed {
-			result = "failed"
+		if len(r.failed) > 0 {
+			w.m.recoveries.WithLabelValues("failed").Inc()
 		}
-		w.m.recoveries.WithLabelValues(result).Inc()
-		w.cfg.Logger.Warn("recovered an expired run", "run_id", run, "conversation_id", r.conversationID,
-			"outbox_ids", r.ids, "result", result, "reason", r.reason)
-		if !r.failed {
+		if len(r.retried) > 0 {
+			w.m.recoveries.WithLabelValues("pending").Inc()
+		}
+		w.cfg.Logger.Warn("recovered an expired run", "run_id", run.runID, "conversation_id", r.conversationID,
+			"failed", r.failed, "pending", r.retried, "reason", r.reason)
+		if len(r.retried) > 0 {
 			w.schedule(ctx, r.conversationID, nil, time.Time{})
 		}
 	}
@@ -168,37 +169,19 @@ func (w *Worker) poll(ctx context.Context) error {
 func (w *Worker) sweep(minAge time.Duration) func(context.Context) bool {
 	return func(ctx context.Context) bool {
 		limit := 4 * w.cfg.MaxConcurrentTurns
-		rows, err := w.store.pool.Query(ctx, `SELECT conversation_id, min(created_at) FROM agent_outbox
-			WHERE status = 'pending' AND available_at <= now() AND created_at <= now() - $1 * interval '1 millisecond'
-			GROUP BY conversation_id ORDER BY min(id) LIMIT $2`, minAge.Milliseconds(), limit)
+		convs, err := w.store.pendingConversations(ctx, minAge, limit)
 		if err != nil {
 			if ctx.Err() == nil {
-				w.cfg.Logger.Error("look for pending rows", "error", err)
-			}
-			return false
-		}
-		type pending struct {
-			conv  string
-			since time.Time
-		}
-		convs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (pending, error) {
-			var p pending
-			return p, r.Scan(&p.conv, &p.since)
-		})
-		if err != nil {
-			if ctx.Err() == nil {
-				w.cfg.Logger.Error("look for pending rows", "error", err)
+				w.cfg.Logger.Error("sweep", "error", err)
 			}
 			return false
 		}
 		mrand.Shuffle(len(convs), func(i, j int) { convs[i], convs[j] = convs[j], convs[i] })
 		for _, c := range convs {
-			w.schedule(ctx, c.conv, nil, c.since)
+			w.schedule(ctx, c.conversationID, nil, c.since)
 		}
-		var age float64
-		if err := w.store.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)
-			FROM agent_outbox WHERE status = 'pending'`).Scan(&age); err == nil {
-			w.m.oldestPending.Set(age)
+		if age, err := w.store.oldestPending(ctx); err == nil {
+			w.m.oldestPending.Set(age.Seconds())
 		}
 		return len(convs) == limit
 	}
@@ -261,9 +244,9 @@ func (w *Worker) conversationLoop(ctx context.Context, conv string, since time.T
 		}
 		runID := newRunID()
 		c, err := w.claims.do(ctx, claimReq{conv, runID})
-		var settled bool
+		var terminal []int64
 		if err == nil && len(c.ids) > 0 {
-			settled = w.runTurn(ctx, conv, runID, c)
+			terminal = w.runTurn(ctx, conv, runID, c)
 		}
 		<-w.sem
 		if err != nil {
@@ -277,26 +260,26 @@ func (w *Worker) conversationLoop(ctx context.Context, conv string, since time.T
 		if !c.locked || c.busy {
 			w.m.claimConflicts.Inc()
 		}
-		if !w.resolve(ctx, conv, c, settled) {
+		if !w.resolve(ctx, conv, c, terminal) {
 			return
 		}
 	}
 }
 
-// resolve settles the held events after a claim (and its turn, if any; settled says the turn
-// left its rows terminal). It returns false when the loop should end, having marked the
+// resolve settles the held events after a claim (and its turn, if any; terminal are the rows
+// the turn left terminal). It returns false when the loop should end, having marked the
 // conversation idle.
-func (w *Worker) resolve(ctx context.Context, conv string, c claim, settled bool) bool {
+func (w *Worker) resolve(ctx context.Context, conv string, c claim, terminal []int64) bool {
 	w.mu.Lock()
 	held := w.convs[conv].events
 	w.convs[conv].events = nil
 	w.mu.Unlock()
 
-	if settled {
-		// The rows of the turn just committed are terminal: ack their events without a query.
+	if len(terminal) > 0 {
+		// The rows the turn just ended are terminal: ack their events without a query.
 		rest := held[:0]
 		for _, ev := range held {
-			if slices.Contains(c.ids, ev.outboxID) {
+			if slices.Contains(terminal, ev.outboxID) {
 				w.ack(ev)
 			} else {
 				rest = append(rest, ev)
@@ -335,6 +318,9 @@ func (w *Worker) resolve(ctx context.Context, conv string, c claim, settled bool
 				w.nak(ev, max(time.Second, w.cfg.Debounce))
 			case st.available.After(now):
 				w.nak(ev, st.available.Sub(now))
+			case c.waitUntil.After(now):
+				// An earlier row of the conversation backs off: this one waits its turn.
+				w.nak(ev, c.waitUntil.Sub(now))
 			case len(c.ids) == 0:
 				// Claimable yet not claimed (clocks of worker and database disagree on
 				// available_at): look again shortly instead of spinning.
@@ -413,8 +399,8 @@ func (w *Worker) nak(ev event, delay time.Duration) {
 }
 
 // runTurn runs the handler for a claim and commits its end: a reply, a retry, or a visible
-// failure. It reports whether the claimed rows are now terminal or gone.
-func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) bool {
+// failure. It returns the claimed rows that are now terminal (or gone).
+func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int64 {
 	log := w.cfg.Logger.With("conversation_id", conv, "run_id", runID)
 	started := time.Now()
 	w.m.running.Inc()
@@ -427,49 +413,59 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) bool 
 	keeper := make(chan struct{})
 	go func() {
 		defer close(keeper)
-		w.keepLease(ctx, turnCtx, cancel, conv, runID)
+		w.keepLease(ctx, turnCtx, cancel, conv, runID, c.ids)
 	}()
 
-	reply, herr := w.handle(turnCtx, conv, runID, c)
+	var reply Reply
+	var herr error
+	if c.oversize {
+		herr = fmt.Errorf("%w (Config.MaxTurnBytes is %d)", ErrMessageTooLarge, w.cfg.MaxTurnBytes)
+	} else {
+		reply, herr = w.handle(turnCtx, conv, runID, c)
+	}
 	cancel(nil)
 	<-keeper
 	if cause := context.Cause(turnCtx); errors.Is(cause, errLeaseLost) || errors.Is(herr, errLeaseLost) {
+		// Recovery (or whoever took the rows) decides their fate, seeing this run's operations.
 		w.m.turns.WithLabelValues("lease_lost").Inc()
 		log.Warn("lease lost during the turn; its result is discarded")
-		return false
+		return nil
 	}
 
 	// Commits run to completion even when the worker is stopping.
 	dbCtx, dbCancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer dbCancel()
 	var result string
+	var terminal []int64
 	var err error
-	switch {
-	case herr == nil:
-		result = "done"
-		err = w.finish(dbCtx, finishReq{conv, runID, c.ids, outcome{role: "assistant", content: reply.Content}})
-	case errors.Is(context.Cause(turnCtx), errStopping):
-		// Not the turn's fault: hand the rows back for another worker, unless a write tool ran.
-		result, err = w.stopped(dbCtx, conv, runID, c, herr)
-		log.Info("turn interrupted by shutdown", "result", result)
-	default:
-		result, err = w.fail(dbCtx, conv, runID, c, herr)
-		log.Warn("turn failed", "error", herr, "attempt", c.attempts, "result", result)
+	if herr == nil {
+		result, terminal = "done", c.ids
+		err = w.finish(dbCtx, finishReq{conversationID: conv, runID: runID, ids: c.ids,
+			outcome: outcome{role: "assistant", content: reply.Content}})
+	} else {
+		// Not a reply: endOfRun decides per row, seeing every write operation of the run.
+		stopping := errors.Is(context.Cause(turnCtx), errStopping)
+		var e ended
+		e, err = w.store.endRun(dbCtx, endReq{conversationID: conv, runID: runID, ids: c.ids, cause: herr,
+			stopping: stopping, permanent: c.oversize})
+		result, terminal = e.result, e.failed
+		log.Warn("turn failed", "error", detail(herr), "attempt", c.attempts, "stopping", stopping,
+			"result", result, "failed", e.failed, "pending", e.retried)
 	}
 	switch {
 	case errors.Is(err, errConversationGone):
-		result = "cancelled"
+		result, terminal = "cancelled", c.ids
 		log.Info("conversation deleted during the turn; result discarded")
 	case errors.Is(err, errLeaseLost):
-		result = "lease_lost"
+		result, terminal = "lease_lost", nil
 		log.Warn("lease lost before the commit; result discarded")
 	case err != nil:
-		result = "commit_failed"
+		result, terminal = "commit_failed", nil
 		log.Error("commit turn", "error", err) // rows stay processing; recovery takes them after the lease
 	}
 	w.m.turns.WithLabelValues(result).Inc()
 	w.m.turnSeconds.Observe(time.Since(started).Seconds())
-	return result == "done" || result == "error" || result == "cancelled"
+	return terminal
 }
 
 // handle calls the handler with the claimed turn.
@@ -505,46 +501,9 @@ func (w *Worker) finish(ctx context.Context, r finishReq) error {
 	return runErr
 }
 
-// stopped ends a turn cut short by shutdown: its rows go back to pending at once, the attempt
-// not counted; a turn whose write tool ran or may have run still fails visibly.
-func (w *Worker) stopped(ctx context.Context, conv, runID string, c claim, herr error) (string, error) {
-	write, err := w.store.sideEffects(ctx, w.store.pool, runID)
-	if err != nil {
-		return "", err
-	}
-	if write {
-		return w.fail(ctx, conv, runID, c, herr)
-	}
-	return "released", w.store.releaseNow(ctx, conv, runID, c.ids)
-}
-
-// fail ends a failed attempt: a visible failure when a write tool ran or may have run, or when
-// the attempts are used up; otherwise the rows go back to pending after a backoff.
-func (w *Worker) fail(ctx context.Context, conv, runID string, c claim, herr error) (string, error) {
-	write, err := w.store.sideEffects(ctx, w.store.pool, runID)
-	if err != nil {
-		return "", err
-	}
-	reason := herr.Error()
-	switch {
-	case write:
-		reason = "failed after a side-effecting tool call, not retried automatically: " + reason
-	case c.attempts >= w.cfg.MaxAttempts:
-		reason = fmt.Sprintf("failed after %d attempts: %s", c.attempts, reason)
-	default:
-		return "retry", w.store.release(ctx, conv, runID, c.ids, c.attempts, reason)
-	}
-	if _, err := w.store.pool.Exec(ctx, `UPDATE operations SET status = 'error', error = 'interrupted: the turn failed',
-		finished_at = now() WHERE run_id = $1 AND status = 'running'`, runID); err != nil {
-		return "", fmt.Errorf("close operations of run %s: %w", runID, err)
-	}
-	return "error", w.finish(ctx, finishReq{conv, runID, c.ids, outcome{role: "error",
-		content: "Sorry, this request failed: " + reason, reason: reason}})
-}
-
 // keepLease renews the run's lease every Lease/3 and marks held events in progress, until
 // turnCtx ends. It cancels the turn when the lease is lost, and ShutdownGrace after ctx ends.
-func (w *Worker) keepLease(ctx, turnCtx context.Context, cancel context.CancelCauseFunc, conv, runID string) {
+func (w *Worker) keepLease(ctx, turnCtx context.Context, cancel context.CancelCauseFunc, conv, runID string, ids []int64) {
 	t := time.NewTicker(w.cfg.Lease / 3)
 	defer t.Stop()
 	inProgress := time.NewTicker(w.cfg.AckWait / 3)
@@ -571,7 +530,7 @@ func (w *Worker) keepLease(ctx, turnCtx context.Context, cancel context.CancelCa
 				}
 			}
 		case <-t.C:
-			ok, err := w.store.renew(turnCtx, conv, runID)
+			ok, err := w.store.renew(turnCtx, conv, runID, ids)
 			if err != nil {
 				w.cfg.Logger.Warn("renew lease", "run_id", runID, "error", err)
 				continue

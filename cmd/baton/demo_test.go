@@ -21,6 +21,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/batonhq/baton/consumer"
 	"github.com/batonhq/baton/internal/localsvc"
 	"github.com/batonhq/baton/internal/testsvc"
 )
@@ -270,17 +271,22 @@ func TestDemoFailEvery(t *testing.T) {
 	}
 
 	ctx := context.Background()
-	// A row claimed together with an older row on its last attempt fails with it, so not every
-	// row shows 2 attempts; none shows more.
-	var errRows, errMsgs, failedConvs, maxAttempts int
-	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT conversation_id), max(attempts)
-		FROM agent_outbox WHERE status = 'error'`).Scan(&errRows, &failedConvs, &maxAttempts))
+	// Attempts count per row: every failed row used its own two.
+	var errRows, errMsgs, failedConvs, minAttempts, maxAttempts, detailed int
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT conversation_id), min(attempts), max(attempts),
+		count(*) FILTER (WHERE last_error LIKE '%--fail-every%') FROM agent_outbox WHERE status = 'error'`).
+		Scan(&errRows, &failedConvs, &minAttempts, &maxAttempts, &detailed))
 	require.Equal(t, 40, errRows)
 	require.Equal(t, 2, failedConvs)
+	require.Equal(t, 2, minAttempts)
 	require.Equal(t, 2, maxAttempts)
+	require.Equal(t, 40, detailed, "the detail is kept for operators")
+	// Users see a generic message, never the error's text.
 	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM messages WHERE role = 'error'
-		AND content LIKE '%--fail-every%'`).Scan(&errMsgs))
+		AND content = $1`, consumer.DefaultFailureMessage(nil)).Scan(&errMsgs))
 	require.Positive(t, errMsgs)
+	require.Zero(t, testsvc.Query[int](t, db, `SELECT count(*)::int FROM messages WHERE role = 'error' AND content <> $1`,
+		consumer.DefaultFailureMessage(nil))[0])
 }
 
 func TestDemoAgentFails(t *testing.T) {

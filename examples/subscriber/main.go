@@ -10,7 +10,7 @@
 //
 // It prints one line per outcome:
 //
-//	seq=7 conversation=conv-42 role=assistant message=reply:0c5e… answers=17,18 content="The Q3 numbers…"
+//	seq=7 conversation=conv-42 role=assistant message=baton:reply:0c5e… answers=17,18 content="The Q3 numbers…"
 //
 // seq is the stream sequence (what --from-seq takes); answers are the outbox ids the reply
 // answers ("-" when the worker did not say, as for a message inserted by hand).

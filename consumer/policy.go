@@ -1,0 +1,118 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/batonhq/baton/internal/config"
+)
+
+// Why a turn ended as a visible failure. The error a Config.FailureMessage receives wraps one
+// of these (and, where there is one, the handler's error), so it can choose its words.
+var (
+	// ErrSideEffect: a Write tool ran or may have run, so the turn is not replayed
+	// automatically, whatever else happened.
+	ErrSideEffect = errors.New("a side-effecting tool call ran or may have run; not retried automatically")
+	// ErrAttemptsExhausted: the request's attempts reached Config.MaxAttempts.
+	ErrAttemptsExhausted = errors.New("attempts exhausted")
+	// ErrWorkerLost: the worker running the turn went away (crashed, was killed, or stalled past
+	// its lease).
+	ErrWorkerLost = errors.New("the worker running the turn was lost")
+	// ErrMessageTooLarge: a single message is larger than Config.MaxTurnBytes, so no turn can
+	// carry it.
+	ErrMessageTooLarge = errors.New("message larger than a turn may carry")
+)
+
+// DefaultFailureMessage is what a user sees of a failed request unless Config.FailureMessage
+// says otherwise. It carries nothing of the error: details go to the outbox row's last_error,
+// the run's record and the logs, never to the conversation.
+func DefaultFailureMessage(error) string {
+	return "Sorry, this request could not be completed."
+}
+
+// runEnd is what becomes of a claimed row when its run ends without a reply.
+type runEnd int
+
+const (
+	// endRetry: pending again after a backoff; the attempt counts.
+	endRetry runEnd = iota
+	// endRelease: pending again at once and the attempt refunded: the worker stopped, the
+	// request did not fail.
+	endRelease
+	// endFail: a visible failure: an error message in the conversation, the row error.
+	endFail
+)
+
+func (e runEnd) String() string {
+	switch e {
+	case endRetry:
+		return "retry"
+	case endRelease:
+		return "released"
+	default:
+		return "error"
+	}
+}
+
+// endOfRun decides one claimed row's fate when its run ends without a reply. wrote says the run
+// has a write operation (in any status: it ran or may have run), permanent that no attempt can
+// succeed, attempts the row's own claims so far, stopping that the worker is shutting down.
+//
+// Rules, in order: a write ⇒ a visible failure, never a replay (not even on shutdown); a
+// permanent failure ⇒ a visible failure; a shutdown ⇒ released, attempt refunded; the row's
+// attempts used up ⇒ a visible failure; otherwise retried after a backoff.
+func endOfRun(wrote, permanent bool, attempts, maxAttempts int, stopping bool) runEnd {
+	switch {
+	case wrote, permanent:
+		return endFail
+	case stopping:
+		return endRelease
+	case attempts >= maxAttempts:
+		return endFail
+	default:
+		return endRetry
+	}
+}
+
+// failure is the error that a row ended as a visible failure for: its reason, wrapping the cause.
+func failure(wrote, permanent bool, attempts int, cause error) error {
+	switch {
+	case wrote:
+		return fmt.Errorf("%w: %w", ErrSideEffect, cause)
+	case permanent:
+		return cause
+	default:
+		return fmt.Errorf("%w after %d attempts: %w", ErrAttemptsExhausted, attempts, cause)
+	}
+}
+
+// maxDetailBytes bounds the error detail stored in last_error, agent_runs.error and
+// operations.error.
+const maxDetailBytes = 4 << 10
+
+// detail is err's text as Baton stores and logs it: secrets masked, valid UTF-8, no NUL bytes,
+// at most maxDetailBytes.
+func detail(err error) string {
+	if err == nil {
+		return ""
+	}
+	return sanitize(config.RedactText(err.Error()), maxDetailBytes)
+}
+
+// sanitize makes s storable as Postgres text: invalid UTF-8 becomes U+FFFD, NUL bytes are
+// dropped, and it is cut to at most max bytes on a rune boundary, marked with "…".
+func sanitize(s string, max int) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", "")
+	if len(s) <= max {
+		return s
+	}
+	const more = "…"
+	cut := max - len(more)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + more
+}
