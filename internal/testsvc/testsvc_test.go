@@ -12,7 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-func TestMain(m *testing.M) { os.Exit(Main(m)) }
+func TestMain(m *testing.M) { os.Exit(MainNoLeaks(m)) }
 
 func TestNewDatabaseIsMigratedAndIsolated(t *testing.T) {
 	t.Parallel()
