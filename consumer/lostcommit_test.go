@@ -1,0 +1,68 @@
+package consumer
+
+import (
+	"context"
+	"net"
+	"net/url"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/testsvc"
+)
+
+// viaProxy returns a pool on db that connects through a fault-injecting TCP proxy.
+func viaProxy(t *testing.T, db *testsvc.Database) (*pgxpool.Pool, *testsvc.Proxy) {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	require.NoError(t, err)
+	proxy := testsvc.StartProxy(t, net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port))))
+	u, err := url.Parse(db.URL)
+	require.NoError(t, err)
+	u.Host = proxy.Addr()
+	cfg, err = pgxpool.ParseConfig(u.String())
+	require.NoError(t, err)
+	// No liveness ping on acquire: the fault must hit the statement under test, not a ping.
+	cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool, proxy
+}
+
+// Defect 3: a final commit whose answer is lost (the connection dropped after Postgres
+// committed) is recognised by its reply id: reported as committed, not as a lost lease, and
+// not committed twice.
+func TestFinishWhoseAnswerWasLost(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('warm')`)
+	require.NoError(t, err)
+	send(t, db, "warm", "w1")
+	send(t, db, "c", "m1")
+	const run = "00000000-0000-4000-8000-000000000052"
+	c := claimOne(t, s, "c", run)
+	pool, proxy := viaProxy(t, db)
+	s.pool = pool
+	// A first final commit on the pool's one connection prepares the statements, so the fault
+	// below hits the commit itself, not a round trip that prepares it.
+	const warm = "00000000-0000-4000-8000-000000000053"
+	w := claimOne(t, s, "warm", warm)
+	require.NoError(t, s.finishOne(ctx, finishReq{conversationID: "warm", runID: warm, ids: w.ids,
+		outcome: outcome{role: "assistant", content: "warm"}}))
+
+	fired := proxy.DropNextResponse()
+	err = s.finishOne(ctx, finishReq{conversationID: "c", runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "ok"}})
+	select {
+	case <-fired:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the fault never fired")
+	}
+	require.NoError(t, err, "a commit that happened is reported as such")
+	require.Equal(t, []string{"done"}, testsvc.Query[string](t, db, `SELECT status FROM agent_outbox WHERE conversation_id = 'c'`))
+	require.Equal(t, []string{"ok"}, testsvc.Query[string](t, db, `SELECT content FROM messages WHERE role = 'assistant' AND conversation_id = 'c'`))
+}
