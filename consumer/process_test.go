@@ -87,6 +87,18 @@ func (b *bundle) startWorker(args ...string) *workerProcess {
 	return p
 }
 
+// terminate sends SIGTERM and requires a clean exit within 30s.
+func (p *workerProcess) terminate(t *testing.T) {
+	t.Helper()
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case <-p.exited:
+		require.NoError(t, p.err, "worker %d did not exit cleanly on SIGTERM", p.cmd.Process.Pid)
+	case <-time.After(30 * time.Second):
+		t.Fatalf("worker %d did not exit within 30s of SIGTERM", p.cmd.Process.Pid)
+	}
+}
+
 // kill sends SIGKILL and waits until the process is gone.
 func (p *workerProcess) kill(t *testing.T) {
 	t.Helper()

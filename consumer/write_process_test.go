@@ -30,17 +30,9 @@ func TestWorkerStoppedDuringWriteTool(t *testing.T) {
 		stop      func(t *testing.T, p *workerProcess)
 		recovered bool
 	}{
-		{name: "SIGTERM", stop: func(t *testing.T, p *workerProcess) {
-			// The grace (200ms) runs out while the tool waits: the tool's ctx is cancelled and
-			// it returns that error, as an HTTP call cancelled mid-flight would.
-			require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
-			select {
-			case <-p.exited:
-				require.NoError(t, p.err, "the worker did not exit cleanly on SIGTERM")
-			case <-time.After(30 * time.Second):
-				t.Fatal("the worker did not exit within 30s of SIGTERM")
-			}
-		}},
+		// The grace (200ms) runs out while the tool waits: the tool's ctx is cancelled and it
+		// returns that error, as an HTTP call cancelled mid-flight would.
+		{name: "SIGTERM", stop: func(t *testing.T, p *workerProcess) { p.terminate(t) }},
 		{name: "SIGKILL", stop: func(t *testing.T, p *workerProcess) { p.kill(t) }, recovered: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -148,13 +140,7 @@ func TestWorkerFrozenPastItsLease(t *testing.T) {
 	// exited the turn has done all it was going to do.
 	require.NoError(t, first.cmd.Process.Signal(syscall.SIGCONT))
 	resumed = true
-	require.NoError(t, first.cmd.Process.Signal(syscall.SIGTERM))
-	select {
-	case <-first.exited:
-		require.NoError(t, first.err, "the resumed worker did not exit cleanly on SIGTERM")
-	case <-time.After(30 * time.Second):
-		t.Fatal("the resumed worker did not exit within 30s of SIGTERM")
-	}
+	first.terminate(t)
 
 	run2 := testsvc.Query[string](t, b.db, `SELECT run_id::text FROM agent_outbox WHERE id = $1`, m1)
 	require.NotEqual(t, []string{run1}, run2)
