@@ -98,7 +98,13 @@ func detail(err error) string {
 	if err == nil {
 		return ""
 	}
-	return sanitize(config.RedactText(err.Error()), maxDetailBytes)
+	s := err.Error()
+	// Only the first maxDetailBytes are kept; redact a little more than that, so a secret
+	// across the cut is still seen whole, and never spend long on a huge error text.
+	if len(s) > 2*maxDetailBytes {
+		s = s[:2*maxDetailBytes]
+	}
+	return sanitize(config.RedactText(s), maxDetailBytes)
 }
 
 // sanitize makes s storable as Postgres text: invalid UTF-8 becomes U+FFFD, NUL bytes are

@@ -97,3 +97,13 @@ func TestTransient(t *testing.T) {
 		require.Equal(t, tc.want, transient(tc.err), "%v", tc.err)
 	}
 }
+
+// A huge error text is cut before it is redacted, so a handler returning megabytes of error
+// costs little, and what is kept is still redacted.
+func TestDetailOfAHugeError(t *testing.T) {
+	err := fmt.Errorf("post https://u:hunter2secret@h/x: %s", strings.Repeat("unauthorized:token=abc ", 1<<18))
+	d := detail(err)
+	require.LessOrEqual(t, len(d), maxDetailBytes)
+	require.NotContains(t, d, "hunter2secret")
+	require.NotContains(t, d, "token=abc")
+}
