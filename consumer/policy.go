@@ -25,6 +25,10 @@ var (
 	ErrMessageTooLarge = errors.New("message larger than a turn may carry")
 )
 
+// errUnreadable: the claimed messages could not be decoded (a value no Go type holds), so no
+// handler can be given the turn.
+var errUnreadable = errors.New("the turn's messages could not be read")
+
 // DefaultFailureMessage is what a user sees of a failed request unless Config.FailureMessage
 // says otherwise. It carries nothing of the error: details go to the outbox row's last_error,
 // the run's record and the logs, never to the conversation.

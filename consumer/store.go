@@ -31,6 +31,22 @@ type store struct {
 	maxRows, maxBytes int
 	// failureMessage is the text a user sees of a visible failure (Config.FailureMessage).
 	failureMessage func(error) string
+	// lockTimeout bounds how long a claim or a final commit waits for a row lock; zero:
+	// defaultLockTimeout.
+	lockTimeout time.Duration
+}
+
+// defaultLockTimeout is how long a claim or final commit waits for a row another transaction
+// holds: Baton's own transactions hold conversation and outbox rows for milliseconds.
+const defaultLockTimeout = 5 * time.Second
+
+// lockTimeoutSetting is the lock_timeout value for set_config.
+func (s *store) lockTimeoutSetting() string {
+	d := s.lockTimeout
+	if d <= 0 {
+		d = defaultLockTimeout
+	}
+	return fmt.Sprintf("%dms", d.Milliseconds())
 }
 
 // claimReq asks to claim a conversation for a new run.
@@ -48,6 +64,9 @@ type claim struct {
 	messages []Message // the claimed user messages, in id order
 	// oversize: the claim holds one message larger than maxBytes, without its content.
 	oversize bool
+	// unreadable: the claimed messages could not be decoded; the run ends as a visible
+	// failure without a handler call.
+	unreadable bool
 	// waitUntil: nothing was claimed because the conversation's oldest pending row backs off
 	// until then.
 	waitUntil time.Time
@@ -57,6 +76,8 @@ type claim struct {
 // transaction, which ones it got; SKIP LOCKED makes a concurrent claimer give up at once
 // instead of queueing behind us. It also sets, for the claim transaction only:
 //   - plan_cache_mode: the claim statement runs its cached generic plan (see genericPlansSQL);
+//   - lock_timeout ($2): a row some other transaction holds for long fails the claim (55P03)
+//     instead of stalling every claim behind it; the batch is then claimed apart;
 //   - synchronous_commit off: the claim does not wait for its WAL to reach disk. A claim that
 //     a database crash loses is harmless: its rows are pending again, and the run's fenced
 //     final commit fails, so nothing of it is kept. Whatever the run does that matters commits
@@ -65,6 +86,7 @@ type claim struct {
 const lockConversationsSQL = `
 SELECT set_config('baton.claim_locked', coalesce(json_agg(id), '[]')::text, true),
        set_config('plan_cache_mode', 'force_generic_plan', true),
+       set_config('lock_timeout', $2, true),
        set_config('synchronous_commit', 'off', true)
 FROM (SELECT id FROM conversations WHERE id = ANY($1) FOR NO KEY UPDATE SKIP LOCKED) locked`
 
@@ -77,7 +99,8 @@ FROM (SELECT id FROM conversations WHERE id = ANY($1) FOR NO KEY UPDATE SKIP LOC
 // A conversation is busy while any of its rows is processing, live lease or not; expired ones
 // are recovery's. Otherwise the claim takes an ordered prefix of its pending rows:
 //   - in id order, stopping before the first row still backing off (available_at in the
-//     future), so a reply never overtakes the reply to an earlier message;
+//     future; a non-finite one does not count), so a reply never overtakes the reply to an
+//     earlier message;
 //   - at most $5 rows and, beyond the first row, at most $6 bytes of content in all, so a
 //     claim stays far below Postgres's 1 GB value limit whatever piles up; the rest goes to
 //     the next turn. A first row that alone exceeds $6 is claimed without its content
@@ -99,7 +122,7 @@ WITH input AS (
 ), queue AS (
     SELECT q.id, q.conversation_id, q.available_at, q.n,
            sum(octet_length(m.content)) OVER w AS bytes,
-           bool_or(q.available_at > now()) OVER w AS blocked
+           bool_or(q.available_at > now() AND isfinite(q.available_at)) OVER w AS blocked
     FROM (SELECT p.id, p.conversation_id, p.available_at, p.message_id,
                  row_number() OVER (PARTITION BY p.conversation_id ORDER BY p.id) AS n
           FROM agent_outbox p JOIN conv ON p.conversation_id = conv.id
@@ -110,7 +133,7 @@ WITH input AS (
     WINDOW w AS (PARTITION BY q.conversation_id ORDER BY q.id)
 ), claimed AS (
     UPDATE agent_outbox o
-    SET status = 'processing', attempts = o.attempts + 1, run_id = conv.run_id,
+    SET status = 'processing', attempts = least(o.attempts, 2147483646) + 1, run_id = conv.run_id,
         lease_expires_at = now() + $3 * interval '1 millisecond'
     FROM conv
     WHERE o.conversation_id = conv.id AND o.id IN (
@@ -126,7 +149,8 @@ SELECT i.conversation_id, conv.id IS NOT NULL, i.conversation_id IN (SELECT conv
        coalesce(max(c.attempts), 0),
        json_agg(json_build_object('ID', m.id, 'Role', m.role,
                                   'Content', CASE WHEN octet_length(m.content) > $6 THEN '' ELSE m.content END,
-                                  'CreatedAt', m.created_at)
+                                  'CreatedAt', CASE WHEN m.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 00:00:00+00'
+                                               THEN m.created_at END)
                 ORDER BY c.id) FILTER (WHERE c.id IS NOT NULL),
        coalesce(bool_or(octet_length(m.content) > $6), false),
        (SELECT q.available_at FROM queue q WHERE q.conversation_id = i.conversation_id AND q.n = 1 AND q.blocked)
@@ -174,7 +198,7 @@ func (s *store) claimAll(ctx context.Context, reqs []claimReq) ([]claim, error) 
 		convs[i], runs[i] = r.conversationID, r.runID
 	}
 	batch := &pgx.Batch{}
-	batch.Queue(lockConversationsSQL, convs)
+	batch.Queue(lockConversationsSQL, convs, s.lockTimeoutSetting())
 	batch.Queue(claimSQL, convs, runs, s.lease.Milliseconds(), s.worker, s.maxRows, s.maxBytes)
 	br := s.pool.SendBatch(ctx, batch)
 	byConv := make(map[string]claim, len(reqs))
@@ -191,10 +215,10 @@ func (s *store) claimAll(ctx context.Context, reqs []claimReq) ([]claim, error) 
 				if err = rows.Scan(&conv, &c.locked, &c.busy, &c.ids, &c.attempts, &raw, &c.oversize, &wait); err != nil {
 					break
 				}
-				if len(raw) > 0 {
-					if err = json.Unmarshal(raw, &c.messages); err != nil {
-						break
-					}
+				// The claim has committed: a conversation whose messages cannot be decoded
+				// still comes back with its rows, to be ended, and the others are unaffected.
+				if len(raw) > 0 && json.Unmarshal(raw, &c.messages) != nil {
+					c.messages, c.unreadable = nil, true
 				}
 				if wait != nil {
 					c.waitUntil = *wait
@@ -270,7 +294,12 @@ type outcome struct {
 // every execution (about a millisecond each): their generic plans, costed for arrays of
 // unknown length, never look cheaper than a custom plan for a one-element array, though
 // they are the same index probes.
-const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true)`
+//
+// It also sets lock_timeout ($1) for the final commit: a conversation row that another
+// transaction holds for long fails the commit (55P03) instead of stalling it, and every
+// final commit queued behind it; a shared commit is then redone run by run, so only the run
+// of the held conversation fails (and is recovered after its lease).
+const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('lock_timeout', $1, true)`
 
 // finishReq is the end of one run: a reply (role assistant, rows done) or a visible failure
 // (role error, rows error).
@@ -312,9 +341,12 @@ func newReplyID(role string) string {
 //     event (the reply's insert reads from it, so it reaches the WAL before the reply);
 //   - the reply or error messages, whose foreign key fails (23503) when a conversation was
 //     deleted meanwhile;
-//   - the claimed rows terminal, fenced by run id: baton_fence raises BT001 unless every one is
-//     still its run's. A deleted conversation is not a lost lease: the fence stands aside when
-//     a conversation row is gone (conv updated fewer), and the foreign key reports it;
+//   - the claimed rows terminal, fenced by run id: baton_fence raises BT001 unless, for each
+//     run, every one of its claimed rows ($11 holds each run's count) is still its own. A
+//     deleted conversation is not a lost lease: the fence stands aside for a run whose
+//     conversation row is gone (its conv update found nothing), and the foreign key reports
+//     it. Per run, so that a conversation deleted and recreated meanwhile (the foreign key
+//     passes) cannot switch the fence off for its batch-mates;
 //   - the runs' operations attached to their replies (any still running marked interrupted),
 //     the conversations' metadata, the runs' records.
 //
@@ -338,7 +370,7 @@ WITH input AS (
     FROM input i
     WHERE o.id = ANY($9) AND o.conversation_id = ANY($1) AND o.run_id = ANY($2)
       AND o.conversation_id = i.conversation_id AND o.run_id = i.run_id AND o.status = 'processing'
-    RETURNING 1
+    RETURNING o.run_id
 ), ops AS (
     UPDATE operations op SET message_id = i.reply_id,
         status = CASE WHEN op.status = 'running' THEN 'error' ELSE op.status END,
@@ -350,15 +382,16 @@ WITH input AS (
     UPDATE conversations c SET last_message_at = now(), unread_count = c.unread_count + 1
     FROM input i
     WHERE c.id = ANY($1) AND c.id = i.conversation_id
-    RETURNING 1
+    RETURNING c.id
 ), run AS (
     UPDATE agent_runs r SET finished_at = clock_timestamp(), outcome = i.status, error = i.reason
     FROM input i
     WHERE r.run_id = ANY($2) AND r.run_id = i.run_id
 )
-SELECT baton_fence(count(*) = cardinality($9::bigint[]) OR (SELECT count(*) FROM conv) < cardinality($1::text[]),
-                   'a run no longer owns its rows')
-FROM done`
+SELECT baton_fence(coalesce(bool_and(coalesce(d.n, 0) = i.n OR c.id IS NULL), true), 'a run no longer owns its rows')
+FROM unnest($2::uuid[], $1::text[], $11::int[]) AS i(run_id, conversation_id, n)
+LEFT JOIN (SELECT run_id, count(*)::int AS n FROM done GROUP BY run_id) d ON d.run_id = i.run_id
+LEFT JOIN conv c ON c.id = i.conversation_id`
 
 // finishOne commits the end of run r in one transaction: the logical message naming the
 // answered rows, the reply or error message, the run's operations attached to it, the claimed
@@ -440,6 +473,7 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 	n := len(reqs)
 	convs, runs, statuses, replies := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	roles, contents, reasons, answers := make([]string, n), make([]string, n), make([]*string, n), make([]string, n)
+	counts := make([]int32, n)
 	var ids []int64
 	for i, r := range reqs {
 		if r.replyID == "" {
@@ -460,10 +494,11 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 		}{replies[i], r.ids})
 		answers[i] = string(a)
 		ids = append(ids, r.ids...)
+		counts[i] = int32(len(r.ids))
 	}
 	batch := &pgx.Batch{}
-	batch.Queue(genericPlansSQL)
-	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, relay.AnswersPrefix)
+	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
+	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, relay.AnswersPrefix, counts)
 	err := q.SendBatch(ctx, batch).Close()
 	var pgErr *pgconn.PgError
 	switch {
@@ -693,13 +728,15 @@ func (s *store) endHeld(ctx context.Context, tx pgx.Tx, r endReq, held []heldRow
 	return e, err
 }
 
-// expiredRun is a run holding processing rows whose lease expired.
+// expiredRun is a run holding processing rows whose lease expired. runID is "" for
+// processing rows that name no run (not written by Baton): recovery treats them as one dead
+// run of their conversation.
 type expiredRun struct{ runID, conversationID string }
 
 // expiredRuns lists runs holding processing rows whose lease expired.
 func (s *store) expiredRuns(ctx context.Context, limit int) ([]expiredRun, error) {
-	rows, err := s.pool.Query(ctx, `SELECT DISTINCT run_id::text, conversation_id FROM agent_outbox
-		WHERE status = 'processing' AND lease_expires_at < now() LIMIT $1`, limit)
+	rows, err := s.pool.Query(ctx, `SELECT DISTINCT coalesce(run_id::text, ''), conversation_id FROM agent_outbox
+		WHERE status = 'processing' AND coalesce(lease_expires_at, '-infinity') < now() LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("find expired leases: %w", err)
 	}
@@ -736,20 +773,34 @@ func (s *store) recoverRun(ctx context.Context, run expiredRun) (recovered, erro
 		r.ids = nil
 		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 			held, err := lockHeld(ctx, tx, `SELECT id, attempts FROM agent_outbox
-				WHERE conversation_id = $1 AND run_id = $2 AND status = 'processing' AND lease_expires_at < now()
+				WHERE conversation_id = $1 AND run_id IS NOT DISTINCT FROM nullif($2, '')::uuid AND status = 'processing'
+				  AND coalesce(lease_expires_at, '-infinity') < now()
 				ORDER BY id FOR UPDATE SKIP LOCKED`, run.conversationID, run.runID)
 			if err != nil || len(held) == 0 {
 				return err
 			}
 			var all int
 			if err := tx.QueryRow(ctx, `SELECT count(*) FROM agent_outbox
-				WHERE conversation_id = $1 AND run_id = $2 AND status = 'processing'`, run.conversationID, run.runID).Scan(&all); err != nil {
+				WHERE conversation_id = $1 AND run_id IS NOT DISTINCT FROM nullif($2, '')::uuid AND status = 'processing'`,
+				run.conversationID, run.runID).Scan(&all); err != nil {
 				return err
 			}
 			if all != len(held) {
 				return nil // part of the run is busy or alive: not ours to take now
 			}
-			e, err := s.endHeld(ctx, tx, endReq{conversationID: run.conversationID, runID: run.runID, cause: ErrWorkerLost,
+			runID := run.runID
+			if runID == "" {
+				// Rows that name no run: give them one, so the rule and the fence apply.
+				runID = newRunID()
+				ids := make([]int64, len(held))
+				for i, h := range held {
+					ids[i] = h.id
+				}
+				if _, err := tx.Exec(ctx, `UPDATE agent_outbox SET run_id = $2 WHERE id = ANY($1)`, ids, runID); err != nil {
+					return err
+				}
+			}
+			e, err := s.endHeld(ctx, tx, endReq{conversationID: run.conversationID, runID: runID, cause: ErrWorkerLost,
 				outcome: "recovered"}, held, replyID)
 			if err != nil {
 				return err
@@ -844,11 +895,15 @@ type pendingConversation struct {
 }
 
 // pendingConversations lists up to limit conversations whose oldest pending row is claimable
-// (not backing off) and at least minAge old, oldest first.
+// (not backing off) and at least minAge old, oldest first. Busy conversations (a run holds
+// rows of theirs) are left out: their claims would find nothing, and a page full of them
+// would hide every other conversation from the polling source.
 func (s *store) pendingConversations(ctx context.Context, minAge time.Duration, limit int) ([]pendingConversation, error) {
 	rows, err := s.pool.Query(ctx, `SELECT conversation_id, min(created_at) FROM agent_outbox
 		WHERE status = 'pending' AND created_at <= now() - $1 * interval '1 millisecond'
-		GROUP BY conversation_id HAVING (array_agg(available_at ORDER BY id))[1] <= now()
+		  AND conversation_id NOT IN (SELECT conversation_id FROM agent_outbox WHERE status = 'processing')
+		GROUP BY conversation_id
+		HAVING (array_agg(available_at <= now() OR NOT isfinite(available_at) ORDER BY id))[1]
 		ORDER BY min(id) LIMIT $2`, minAge.Milliseconds(), limit)
 	if err != nil {
 		return nil, fmt.Errorf("look for pending rows: %w", err)

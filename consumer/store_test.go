@@ -102,7 +102,7 @@ func TestFinishAfterConversationDeleted(t *testing.T) {
 // Every statement on a run's rows finds them by key, whatever the planner believes about how
 // many rows are processing: with 5,000 processing rows of other runs (statistics taken when
 // there were none) the generic plans (what prepared statements get after a few runs) of
-// the claim, the final commit and the renew/release shape read only their own rows.
+// the claim, the final commit, the renewal and the tool check read only their own rows.
 func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
@@ -158,13 +158,14 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 
 	c := claimOne(t, s, "c", run)
 	require.Len(t, c.ids, 1)
-	held := plan(`text, uuid, bigint[]`, `UPDATE agent_outbox SET lease_expires_at = now()
-		WHERE conversation_id = $1 AND run_id = $2 AND id = ANY($3) AND status = 'processing'`,
-		fmt.Sprintf(`'c', '%s', '{%d}'`, run, c.ids[0]))
+	held := plan(`text, uuid, bigint[], bigint`, renewSQL, fmt.Sprintf(`'c', '%s', '{%d}', 60000`, run, c.ids[0]))
 	require.Contains(t, held, "agent_outbox_running", held)
-	narrow("renew/release", held)
-	finishPlan := plan(`text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text`, finishSQL,
-		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers'`, run, c.ids[0]))
+	narrow("renew", held)
+	tool := plan(`uuid, text, text, text, jsonb, bigint[]`, recordOperationSQL,
+		fmt.Sprintf(`'%s', 'c', 'tool', 'read', '{}', '{%d}'`, run, c.ids[0]))
+	narrow("tool check", tool)
+	finishPlan := plan(`text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text, int[]`, finishSQL,
+		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}'`, run, c.ids[0]))
 	narrow("final commit", finishPlan)
 
 	err = s.finishOne(ctx, finishReq{conversationID: "c", runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "ok"}})

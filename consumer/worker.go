@@ -418,9 +418,12 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 
 	var reply Reply
 	var herr error
-	if c.oversize {
+	switch {
+	case c.oversize:
 		herr = fmt.Errorf("%w (Config.MaxTurnBytes is %d)", ErrMessageTooLarge, w.cfg.MaxTurnBytes)
-	} else {
+	case c.unreadable:
+		herr = errUnreadable
+	default:
 		reply, herr = w.handle(turnCtx, conv, runID, c)
 	}
 	cancel(nil)
@@ -447,7 +450,7 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 		stopping := errors.Is(context.Cause(turnCtx), errStopping)
 		var e ended
 		e, err = w.store.endRun(dbCtx, endReq{conversationID: conv, runID: runID, ids: c.ids, cause: herr,
-			stopping: stopping, permanent: c.oversize})
+			stopping: stopping, permanent: c.oversize || c.unreadable})
 		result, terminal = e.result, e.failed
 		log.Warn("turn failed", "error", detail(herr), "attempt", c.attempts, "stopping", stopping,
 			"result", result, "failed", e.failed, "pending", e.retried)
