@@ -66,3 +66,31 @@ func TestFinishWhoseAnswerWasLost(t *testing.T) {
 	require.Equal(t, []string{"done"}, testsvc.Query[string](t, db, `SELECT status FROM agent_outbox WHERE conversation_id = 'c'`))
 	require.Equal(t, []string{"ok"}, testsvc.Query[string](t, db, `SELECT content FROM messages WHERE role = 'assistant' AND conversation_id = 'c'`))
 }
+
+// A claim whose answer is lost (the connection dropped after the claim committed) hands its
+// rows back at once, attempt refunded, instead of leaving them processing under a run nobody
+// runs until the lease ends.
+func TestClaimWhoseAnswerWasLost(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('warm')`)
+	require.NoError(t, err)
+	send(t, db, "warm", "w1")
+	send(t, db, "c", "m1")
+	pool, proxy := viaProxy(t, db)
+	s.pool = pool
+	claimOne(t, s, "warm", "00000000-0000-4000-8000-000000000054") // prepares the statements
+
+	fired := proxy.DropNextResponse()
+	_, err = s.claimMany(ctx, []claimReq{{"c", "00000000-0000-4000-8000-000000000055"}})
+	select {
+	case <-fired:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the fault never fired")
+	}
+	require.Error(t, err)
+	require.Equal(t, []string{"pending 0"}, testsvc.Query[string](t, db,
+		`SELECT status || ' ' || attempts FROM agent_outbox WHERE conversation_id = 'c'`))
+	require.Equal(t, []string{"released"}, testsvc.Query[string](t, db,
+		`SELECT outcome FROM agent_runs WHERE conversation_id = 'c'`))
+}

@@ -170,11 +170,12 @@ GROUP BY i.conversation_id, conv.id`
 // its own, so one conversation's trouble never stops another's claims.
 func (s *store) claimMany(ctx context.Context, reqs []claimReq) ([]claim, error) {
 	out, err := s.claimAll(ctx, reqs)
-	if err == nil || len(reqs) == 1 {
-		if err != nil {
-			return nil, fmt.Errorf("claim conversation %q: %w", reqs[0].conversationID, err)
-		}
+	if err == nil {
 		return out, nil
+	}
+	s.unclaim(ctx, reqs) // in case it committed and only the answer was lost
+	if len(reqs) == 1 {
+		return nil, fmt.Errorf("claim conversation %q: %w", reqs[0].conversationID, err)
 	}
 	if ctx.Err() != nil {
 		return nil, fmt.Errorf("claim %d conversations: %w", len(reqs), err)
@@ -183,11 +184,30 @@ func (s *store) claimMany(ctx context.Context, reqs []claimReq) ([]claim, error)
 	// conversation whose own claim fails comes back unlocked: its events wait and retry.
 	out = make([]claim, len(reqs))
 	for i := range reqs {
-		if one, err := s.claimAll(ctx, reqs[i:i+1]); err == nil {
-			out[i] = one[0]
+		one, err := s.claimAll(ctx, reqs[i:i+1])
+		if err != nil {
+			s.unclaim(ctx, reqs[i:i+1])
+			continue
 		}
+		out[i] = one[0]
 	}
 	return out, nil
+}
+
+// unclaim hands back whatever a claim whose answer was lost (the connection failed after it
+// committed) took for reqs' runs, so those rows wait for no lease: no handler saw them, and the
+// attempt is refunded. Best effort: rows it cannot reach are recovered when their lease ends.
+func (s *store) unclaim(ctx context.Context, reqs []claimReq) {
+	runs := make([]string, len(reqs))
+	for i, r := range reqs {
+		runs[i] = r.runID
+	}
+	batch := &pgx.Batch{}
+	batch.Queue(`UPDATE agent_outbox SET status = 'pending', run_id = NULL, lease_expires_at = NULL,
+		attempts = greatest(attempts - 1, 0) WHERE run_id = ANY($1::uuid[]) AND status = 'processing'`, runs)
+	batch.Queue(`UPDATE agent_runs SET finished_at = clock_timestamp(), outcome = 'released', error = 'claim answer lost'
+		WHERE run_id = ANY($1::uuid[]) AND finished_at IS NULL`, runs)
+	_ = s.pool.SendBatch(ctx, batch).Close()
 }
 
 // claimAll runs the claim of reqs as one transaction.
