@@ -2,7 +2,9 @@ package relay
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
+	"net/textproto"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -23,6 +25,18 @@ const (
 	// HeaderContentOmitted is "true" on an outcome whose content did not fit the server's max
 	// payload; read the content from the messages table by id.
 	HeaderContentOmitted = "Baton-Content-Omitted"
+	// HeaderOutboxIDsOmitted is, on an outcome answering more than MaxHeaderOutboxIDs outbox
+	// rows, the count of answered ids left out of HeaderOutboxID (which lists the first ones).
+	HeaderOutboxIDsOmitted = "Baton-Outbox-Ids-Omitted"
+)
+
+// Caps on the answered outbox ids an outcome carries, so that an outcome answering any number
+// of rows fits the server's max payload. The first ids are kept, the rest counted.
+const (
+	// MaxHeaderOutboxIDs is the most ids HeaderOutboxID lists (comma-separated).
+	MaxHeaderOutboxIDs = 100
+	// MaxBodyOutboxIDs is the most ids OutcomeEvent.OutboxIDs holds.
+	MaxBodyOutboxIDs = 1000
 )
 
 // AnswersPrefix is the prefix of the transactional logical decoding message a worker emits,
@@ -55,8 +69,13 @@ type OutcomeEvent struct {
 	ContentOmitted bool      `json:"content_omitted,omitempty"`
 	ContentBytes   int       `json:"content_bytes"`
 	CreatedAt      time.Time `json:"created_at"`
-	// OutboxIDs are the outbox rows this message answers, when the worker announced them.
+	// OutboxIDs are the outbox rows this message answers, when the worker announced them: the
+	// first MaxBodyOutboxIDs of them (fewer if even the event without content would not fit
+	// the max payload).
 	OutboxIDs []int64 `json:"outbox_ids,omitempty"`
+	// OutboxIDsOmitted counts the answered ids left out of OutboxIDs; read the rest from
+	// agent_outbox (reply_id) when you need them.
+	OutboxIDsOmitted int `json:"outbox_ids_omitted,omitempty"`
 }
 
 // TurnMsgID is the Nats-Msg-Id of the turn event of an outbox row.
@@ -166,8 +185,14 @@ func appendJSONString(b []byte, s string) []byte {
 	return append(b, '"')
 }
 
-// outcomeMsg builds the outcome event of a reply. When the event would exceed maxPayload bytes
-// (body plus headers), it is built without content and flagged, never dropped.
+// outcomeMsg builds the outcome event of a reply, never larger than maxPayload bytes as the
+// server measures it (header block plus body; 0 means unknown, no limit). It carries at most
+// the first MaxHeaderOutboxIDs answered ids in HeaderOutboxID and the first MaxBodyOutboxIDs in
+// the body, with the count of the rest (HeaderOutboxIDsOmitted, outbox_ids_omitted). When that
+// is still too large it is built without content and flagged, never dropped; if even that does
+// not fit, it carries fewer ids (halving) down to none. An event that does not fit without
+// content and ids (an absurdly small max payload) is an error wrapping errOutcomeTooLarge:
+// publishing it could only fail with ErrMaxPayload on every retry.
 func outcomeMsg(prefix string, ev OutcomeEvent, maxPayload int) (*nats.Msg, error) {
 	subj, err := subject.Outcomes(prefix, ev.ConversationID)
 	if err != nil {
@@ -179,28 +204,69 @@ func outcomeMsg(prefix string, ev OutcomeEvent, maxPayload int) (*nats.Msg, erro
 	m.Header.Set(HeaderConversationID, headerValue(ev.ConversationID))
 	m.Header.Set(HeaderMessageID, headerValue(ev.MessageID))
 	m.Header.Set(HeaderRole, ev.Role)
-	if len(ev.OutboxIDs) > 0 {
-		m.Header.Set(HeaderOutboxID, joinIDs(ev.OutboxIDs))
-	}
-	// Headers are small; keep a generous margin for their encoding.
-	const headerRoom = 1024
-	if maxPayload > 0 && len(ev.Content)*6+headerRoom+512 > maxPayload {
-		// JSON may escape a byte into up to 6; measure the real size before deciding.
-		body, err := json.Marshal(ev)
-		if err != nil {
-			return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
+	all := ev.OutboxIDs
+	inHeader, inBody := min(len(all), MaxHeaderOutboxIDs), min(len(all), MaxBodyOutboxIDs)
+	setIDs := func() {
+		delete(m.Header, HeaderOutboxID)
+		delete(m.Header, HeaderOutboxIDsOmitted)
+		if inHeader > 0 {
+			m.Header.Set(HeaderOutboxID, joinIDs(all[:inHeader]))
 		}
-		if len(body)+headerRoom > maxPayload {
-			ev.Content, ev.ContentOmitted = "", true
-			m.Header.Set(HeaderContentOmitted, "true")
+		if rest := len(all) - inHeader; rest > 0 {
+			m.Header.Set(HeaderOutboxIDsOmitted, strconv.Itoa(rest))
+		}
+		ev.OutboxIDs, ev.OutboxIDsOmitted = all[:inBody:inBody], len(all)-inBody
+		if inBody == 0 {
+			ev.OutboxIDs = nil
 		}
 	}
+	setIDs()
 	body, err := json.Marshal(ev)
 	if err != nil {
 		return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
 	}
-	m.Data = body
-	return m, nil
+	if maxPayload <= 0 || msgSize(m.Header, body) <= maxPayload {
+		m.Data = body
+		return m, nil
+	}
+	ev.Content, ev.ContentOmitted = "", true
+	m.Header.Set(HeaderContentOmitted, "true")
+	for {
+		if body, err = json.Marshal(ev); err != nil {
+			return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
+		}
+		size := msgSize(m.Header, body)
+		if size <= maxPayload {
+			m.Data = body
+			return m, nil
+		}
+		if inHeader == 0 && inBody == 0 {
+			return nil, fmt.Errorf("outcome event for message %q: %w: %d bytes without content or ids, max payload %d",
+				ev.MessageID, errOutcomeTooLarge, size, maxPayload)
+		}
+		inHeader, inBody = inHeader/2, inBody/2
+		setIDs()
+	}
+}
+
+// errOutcomeTooLarge is wrapped by the error of an outcome that cannot fit the server's max
+// payload even without its content and answered ids. No retry can fix it.
+var errOutcomeTooLarge = errors.New("outcome does not fit the max payload")
+
+// msgSize returns the size of a message as NATS measures it against the server's max payload,
+// the way nats.go writes it: "NATS/1.0\r\n", "Key: value\r\n" per value (values trimmed),
+// "\r\n", then the body. The reply subject does not count.
+func msgSize(h nats.Header, body []byte) int {
+	if len(h) == 0 {
+		return len(body)
+	}
+	n := len("NATS/1.0\r\n") + len("\r\n")
+	for k, vs := range h {
+		for _, v := range vs {
+			n += len(k) + len(": ") + len(textproto.TrimString(v)) + len("\r\n")
+		}
+	}
+	return n + len(body)
 }
 
 func joinIDs(ids []int64) string {
