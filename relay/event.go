@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,9 +15,12 @@ import (
 	"github.com/batonhq/baton/internal/subject"
 )
 
-// Headers every event carries. Values are the ids themselves when they are printable UTF-8
-// without control characters; otherwise the subject token form ("~" + base64url) is used, so a
-// hostile id can never break the header block. The JSON body always carries the exact ids.
+// Headers every event carries. HeaderConversationID and HeaderMessageID carry HeaderID of the
+// id: the id itself when it is printable ASCII without spaces and does not start with "~",
+// otherwise "~" followed by the unpadded base64url of its bytes (ParseHeaderID reverses it).
+// Distinct ids always get distinct values, which survive nats.go unchanged (it trims header
+// values and turns CR and LF into spaces), so a hostile id can neither break the header block
+// nor pass for another id. The JSON body always carries the exact ids.
 const (
 	HeaderOutboxID       = "Baton-Outbox-Id"
 	HeaderConversationID = "Baton-Conversation-Id"
@@ -81,24 +85,77 @@ type OutcomeEvent struct {
 // TurnMsgID is the Nats-Msg-Id of the turn event of an outbox row.
 func TurnMsgID(outboxID int64) string { return "turn:" + strconv.FormatInt(outboxID, 10) }
 
-// OutcomeMsgID is the Nats-Msg-Id of the outcome event of a message.
-func OutcomeMsgID(messageID string) string { return "outcome:" + headerValue(messageID) }
+// OutcomeMsgID is the Nats-Msg-Id of the outcome event of a message: "outcome:" and
+// HeaderID(messageID), so distinct message ids never share one, and JetStream never drops an
+// outcome as the duplicate of another message's.
+func OutcomeMsgID(messageID string) string { return "outcome:" + HeaderID(messageID) }
 
-// headerValue returns s when it is safe as a NATS header value, else its subject token.
-func headerValue(s string) string {
-	safe := utf8.ValidString(s) && s != ""
-	for i := 0; safe && i < len(s); i++ {
-		if s[i] < 0x20 || s[i] == 0x7f {
-			safe = false
+// headerEncodedMark starts every encoded HeaderID; plain ids never start with it.
+const headerEncodedMark = '~'
+
+// isPlainHeaderID reports whether id is its own header value: non-empty, printable ASCII
+// without space ('!' to '~'), not starting with headerEncodedMark. Such a value is never
+// changed by nats.go and never mistaken for an encoded one.
+func isPlainHeaderID(id string) bool {
+	if id == "" || id[0] == headerEncodedMark {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		if id[i] < '!' || id[i] > '~' {
+			return false
 		}
 	}
-	if safe {
-		return s
+	return true
+}
+
+// HeaderID returns the header value that carries id (a conversation or message id): the id
+// itself when it is non-empty printable ASCII without spaces and does not start with "~";
+// otherwise "~" followed by the unpadded base64url encoding of its bytes ("~" alone for the
+// empty id). The mapping is injective for every string, any length or bytes: plain values
+// never start with "~", encoded ones always do, and base64 is injective. ParseHeaderID
+// reverses it.
+func HeaderID(id string) string {
+	if isPlainHeaderID(id) {
+		return id
 	}
-	if tok, err := subject.Token(s); err == nil {
-		return tok
+	buf := make([]byte, 1+base64.RawURLEncoding.EncodedLen(len(id)))
+	buf[0] = headerEncodedMark
+	base64.RawURLEncoding.Encode(buf[1:], []byte(id))
+	return string(buf)
+}
+
+// ErrInvalidHeaderID is wrapped by ParseHeaderID's errors.
+var ErrInvalidHeaderID = errors.New("not a Baton header id")
+
+// ParseHeaderID returns the id whose HeaderID is v. It accepts exactly the values HeaderID
+// produces (HeaderID(id) == v whenever it succeeds), and returns an error wrapping
+// ErrInvalidHeaderID otherwise.
+func ParseHeaderID(v string) (string, error) {
+	if v == "" {
+		return "", fmt.Errorf("%w: empty", ErrInvalidHeaderID)
 	}
-	return "~invalid"
+	if v[0] != headerEncodedMark {
+		if !isPlainHeaderID(v) {
+			return "", fmt.Errorf("%w: %q has a byte outside '!'..'~'", ErrInvalidHeaderID, v)
+		}
+		return v, nil
+	}
+	payload := v[1:]
+	// The alphabet check comes first: the base64 decoder skips '\r' and '\n' even in strict
+	// mode. Strict rejects non-zero trailing bits, which would give one id several values.
+	for i := 0; i < len(payload); i++ {
+		if c := payload[i]; !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '_' || c == '-') {
+			return "", fmt.Errorf("%w: %q has a byte outside the base64url alphabet", ErrInvalidHeaderID, v)
+		}
+	}
+	id, err := base64.RawURLEncoding.Strict().DecodeString(payload)
+	if err != nil {
+		return "", fmt.Errorf("%w: %q: %w", ErrInvalidHeaderID, v, err)
+	}
+	if isPlainHeaderID(string(id)) {
+		return "", fmt.Errorf("%w: %q encodes %q, whose header value is the id itself", ErrInvalidHeaderID, v, id)
+	}
+	return string(id), nil
 }
 
 // turnMsg builds the turn event of an outbox row. The body is what json.Marshal(row) gives,
@@ -126,8 +183,8 @@ func turnMsg(prefix string, row TurnEvent) (*nats.Msg, error) {
 	return &nats.Msg{Subject: subj, Data: b, Header: nats.Header{
 		nats.MsgIdHdr:        {"turn:" + id},
 		HeaderOutboxID:       {id},
-		HeaderConversationID: {headerValue(row.ConversationID)},
-		HeaderMessageID:      {headerValue(row.MessageID)},
+		HeaderConversationID: {HeaderID(row.ConversationID)},
+		HeaderMessageID:      {HeaderID(row.MessageID)},
 	}}, nil
 }
 
@@ -201,8 +258,8 @@ func outcomeMsg(prefix string, ev OutcomeEvent, maxPayload int) (*nats.Msg, erro
 	ev.ContentBytes = len(ev.Content)
 	m := nats.NewMsg(subj)
 	m.Header.Set(nats.MsgIdHdr, OutcomeMsgID(ev.MessageID))
-	m.Header.Set(HeaderConversationID, headerValue(ev.ConversationID))
-	m.Header.Set(HeaderMessageID, headerValue(ev.MessageID))
+	m.Header.Set(HeaderConversationID, HeaderID(ev.ConversationID))
+	m.Header.Set(HeaderMessageID, HeaderID(ev.MessageID))
 	m.Header.Set(HeaderRole, ev.Role)
 	all := ev.OutboxIDs
 	inHeader, inBody := min(len(all), MaxHeaderOutboxIDs), min(len(all), MaxBodyOutboxIDs)

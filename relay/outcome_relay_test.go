@@ -76,3 +76,59 @@ func wireSize(h nats.Header, body []byte) int {
 	}
 	return n + len(body)
 }
+
+// Message and conversation ids that nats.go would merge (it trims header values; the "~" form
+// is also a legal plain id) get distinct headers and Nats-Msg-Ids: JetStream must store every
+// outcome, none dropped as a duplicate of another.
+func TestOutcomeIDsNATSWouldMergeAreAllPublished(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := ctxT(t, 2*time.Minute)
+	createConversations(t, b.db.Pool, "c", "c ", "~Yw")
+	b.startActive(t)
+	type reply struct{ conv, id string }
+	replies := []reply{{"c", "r1"}, {"c", "r1 "}, {"c", " r1"}, {"c", "a\n"}, {"c", "~YQo"}, {"c ", "r2"}, {"~Yw", "r3"}}
+	for _, r := range replies {
+		_, err := b.db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ($1, $2, 'assistant', 'hi')`,
+			r.id, r.conv)
+		require.NoError(t, err)
+	}
+	_, err := send(ctx, b.db.Pool, "c", "after")
+	require.NoError(t, err)
+	b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
+	requireSlotCaughtUp(t, b)
+
+	outcomes := b.readStream(t, "AGENT_OUTCOMES")
+	require.Equal(t, len(replies), len(outcomes), "every outcome stored, none taken for a duplicate")
+	msgIDs, convHeaders := map[string]string{}, map[string]string{}
+	want := map[string]string{} // message id → conversation
+	for _, r := range replies {
+		want[r.id] = r.conv
+	}
+	for _, m := range outcomes {
+		var ev relay.OutcomeEvent
+		require.NoError(t, json.Unmarshal(m.data, &ev))
+		conv, ok := want[ev.MessageID]
+		require.True(t, ok, "outcome of %q published twice or unexpected", ev.MessageID)
+		delete(want, ev.MessageID)
+		require.Equal(t, conv, ev.ConversationID)
+
+		id := m.header.Get(nats.MsgIdHdr)
+		prev, dup := msgIDs[id]
+		require.False(t, dup, "messages %q and %q share Nats-Msg-Id %q", prev, ev.MessageID, id)
+		msgIDs[id] = ev.MessageID
+		require.Equal(t, relay.OutcomeMsgID(ev.MessageID), id)
+		back, err := relay.ParseHeaderID(m.header.Get(relay.HeaderMessageID))
+		require.NoError(t, err)
+		require.Equal(t, ev.MessageID, back)
+
+		convHeader := m.header.Get(relay.HeaderConversationID)
+		back, err = relay.ParseHeaderID(convHeader)
+		require.NoError(t, err)
+		require.Equal(t, ev.ConversationID, back)
+		if prev, ok := convHeaders[convHeader]; ok {
+			require.Equal(t, prev, ev.ConversationID, "conversations share header %q", convHeader)
+		}
+		convHeaders[convHeader] = ev.ConversationID
+	}
+}
