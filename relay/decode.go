@@ -40,7 +40,8 @@ type item struct {
 	omitted    bool // an outcome published without its content
 }
 
-// decoder turns pgoutput messages (protocol version 1) into items. It is pure: no I/O.
+// decoder turns pgoutput messages (protocol version 1) into items. It is pure: no I/O. No
+// input makes it panic: a message it cannot read is an error (FuzzDecode).
 //
 // Relation messages may repeat within one stream; the cache is keyed by relation OID and
 // entries are replaced.
@@ -76,11 +77,28 @@ func decodeInsert(src []byte, cols []tupleColumn) (uint32, []tupleColumn, error)
 	if src[4] != 'N' {
 		return 0, cols, fmt.Errorf("insert tuple type %q, want 'N'", src[4])
 	}
-	n := int(binary.BigEndian.Uint16(src[5:]))
-	src = src[7:]
+	cols, rest, err := decodeTuple(src[5:], cols)
+	if err != nil {
+		return 0, cols, fmt.Errorf("insert %w", err)
+	}
+	if len(rest) != 0 {
+		return 0, cols, fmt.Errorf("insert message has %d bytes after its tuple", len(rest))
+	}
+	return relID, cols, nil
+}
+
+// decodeTuple decodes pgoutput TupleData (column count, then each column) from src, appends
+// the columns to cols and returns the bytes after it. The columns' data alias src. Lengths are
+// checked before use, so no input allocates or reads past src.
+func decodeTuple(src []byte, cols []tupleColumn) ([]tupleColumn, []byte, error) {
+	if len(src) < 2 {
+		return cols, nil, fmt.Errorf("%w: tuple column count", errTruncated)
+	}
+	n := int(binary.BigEndian.Uint16(src))
+	src = src[2:]
 	for i := range n {
 		if len(src) < 1 {
-			return 0, cols, fmt.Errorf("%w: insert column %d of %d", errTruncated, i, n)
+			return cols, nil, fmt.Errorf("%w: column %d of %d", errTruncated, i, n)
 		}
 		c := tupleColumn{kind: src[0]}
 		src = src[1:]
@@ -88,22 +106,83 @@ func decodeInsert(src []byte, cols []tupleColumn) (uint32, []tupleColumn, error)
 		case 'n', 'u':
 		case 't', 'b':
 			if len(src) < 4 {
-				return 0, cols, fmt.Errorf("%w: insert column %d's length", errTruncated, i)
+				return cols, nil, fmt.Errorf("%w: column %d's length", errTruncated, i)
 			}
 			size := binary.BigEndian.Uint32(src)
 			if uint64(size) > uint64(len(src)-4) {
-				return 0, cols, fmt.Errorf("%w: insert column %d of %d bytes, %d left", errTruncated, i, size, len(src)-4)
+				return cols, nil, fmt.Errorf("%w: column %d of %d bytes, %d left", errTruncated, i, size, len(src)-4)
 			}
 			c.data, src = src[4:4+size:4+size], src[4+size:]
 		default:
-			return 0, cols, fmt.Errorf("insert column %d: unknown kind %q", i, c.kind)
+			return cols, nil, fmt.Errorf("column %d: unknown kind %q", i, c.kind)
 		}
 		cols = append(cols, c)
 	}
-	if len(src) != 0 {
-		return 0, cols, fmt.Errorf("insert message has %d bytes after its tuple", len(src))
+	return cols, src, nil
+}
+
+// checkIgnored checks the structure of a pgoutput update ('U'), delete ('D') or truncate ('T')
+// message, which the relay counts and does not publish, without pglogrepl: its decoders
+// allocate what the message declares (a truncate of 2^32 relations, a column of 4 GiB) before
+// finding out that the bytes are not there.
+func checkIgnored(walData []byte, cols []tupleColumn) ([]tupleColumn, error) {
+	kind, src := walData[0], walData[1:]
+	switch kind {
+	case 'T':
+		if len(src) < 5 {
+			return cols, fmt.Errorf("%w: truncate message of %d bytes", errTruncated, len(src))
+		}
+		n := uint64(binary.BigEndian.Uint32(src))
+		if rest := uint64(len(src) - 5); rest != 4*n {
+			return cols, fmt.Errorf("%w: truncate of %d relations has %d bytes of ids", errTruncated, n, rest)
+		}
+		return cols, nil
+	case 'U', 'D':
+	default:
+		return cols, fmt.Errorf("message type %q is not an update, delete or truncate", kind)
 	}
-	return relID, cols, nil
+	if len(src) < 5 {
+		return cols, fmt.Errorf("%w: %q message of %d bytes", errTruncated, kind, len(src))
+	}
+	src = src[4:] // relation id
+	var err error
+	if src[0] == 'K' || src[0] == 'O' { // the old key or row; an update may leave it out
+		if cols, src, err = decodeTuple(src[1:], cols[:0]); err != nil {
+			return cols, fmt.Errorf("%q message old tuple: %w", kind, err)
+		}
+	} else if kind == 'D' {
+		return cols, fmt.Errorf("delete tuple type %q, want 'K' or 'O'", src[0])
+	}
+	if kind == 'U' {
+		if len(src) < 1 || src[0] != 'N' {
+			return cols, fmt.Errorf("%w: update message without its new tuple", errTruncated)
+		}
+		if cols, src, err = decodeTuple(src[1:], cols[:0]); err != nil {
+			return cols, fmt.Errorf("update message new tuple: %w", err)
+		}
+	}
+	if len(src) != 0 {
+		return cols, fmt.Errorf("%q message has %d bytes after its tuples", kind, len(src))
+	}
+	return cols, nil
+}
+
+// parseMessage is pglogrepl.Parse, with its panics turned into errors: its decoders index the
+// message without checking its length, so an empty or truncated message would end the process,
+// and the relay would meet the same message again after every restart. Inputs are the message
+// kinds whose decoders allocate nothing the message declares (not 'U', 'D', 'T').
+func parseMessage(walData []byte) (msg pglogrepl.Message, err error) {
+	if len(walData) == 0 {
+		return nil, fmt.Errorf("%w: empty message", errTruncated)
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			msg, err = nil, fmt.Errorf("%w: %q message of %d bytes: %v", errTruncated, walData[0], len(walData), r)
+		}
+	}()
+	// Capped: a length past the end must fail, not read the bytes after the message that
+	// happen to lie in the same buffer (pglogrepl slices message content by its declared length).
+	return pglogrepl.Parse(walData[:len(walData):len(walData)])
 }
 
 func newDecoder(schema, prefix string, maxPayload int) *decoder {
@@ -126,7 +205,16 @@ func (d *decoder) decode(walData []byte) (item, error) {
 		d.cols = cols
 		return d.insert(relID, cols)
 	}
-	msg, err := pglogrepl.Parse(walData)
+	if len(walData) > 0 && (walData[0] == 'U' || walData[0] == 'D' || walData[0] == 'T') {
+		// The publication publishes inserts only; another publication setting sends these.
+		cols, err := checkIgnored(walData, d.cols[:0])
+		d.cols = cols
+		if err != nil {
+			return item{}, fmt.Errorf("parse pgoutput message: %w", err)
+		}
+		return item{kind: itemIgnored}, nil
+	}
+	msg, err := parseMessage(walData)
 	if err != nil {
 		return item{}, fmt.Errorf("parse pgoutput message: %w", err)
 	}
@@ -153,9 +241,6 @@ func (d *decoder) decode(walData []byte) (item, error) {
 			}
 			d.answers[a.MessageID] = a.OutboxIDs
 		}
-	case *pglogrepl.UpdateMessage, *pglogrepl.DeleteMessage, *pglogrepl.TruncateMessage:
-		// The publication publishes inserts only; another publication setting sends these.
-		return item{kind: itemIgnored}, nil
 	}
 	return item{}, nil
 }

@@ -1,8 +1,11 @@
 package relay
 
 import (
+	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"net/textproto"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -12,9 +15,12 @@ import (
 	"github.com/batonhq/baton/internal/subject"
 )
 
-// Headers every event carries. Values are the ids themselves when they are printable UTF-8
-// without control characters; otherwise the subject token form ("~" + base64url) is used, so a
-// hostile id can never break the header block. The JSON body always carries the exact ids.
+// Headers every event carries. HeaderConversationID and HeaderMessageID carry HeaderID of the
+// id: the id itself when it is printable ASCII without spaces and does not start with "~",
+// otherwise "~" followed by the unpadded base64url of its bytes (ParseHeaderID reverses it).
+// Distinct ids always get distinct values, which survive nats.go unchanged (it trims header
+// values and turns CR and LF into spaces), so a hostile id can neither break the header block
+// nor pass for another id. The JSON body always carries the exact ids.
 const (
 	HeaderOutboxID       = "Baton-Outbox-Id"
 	HeaderConversationID = "Baton-Conversation-Id"
@@ -23,6 +29,18 @@ const (
 	// HeaderContentOmitted is "true" on an outcome whose content did not fit the server's max
 	// payload; read the content from the messages table by id.
 	HeaderContentOmitted = "Baton-Content-Omitted"
+	// HeaderOutboxIDsOmitted is, on an outcome answering more than MaxHeaderOutboxIDs outbox
+	// rows, the count of answered ids left out of HeaderOutboxID (which lists the first ones).
+	HeaderOutboxIDsOmitted = "Baton-Outbox-Ids-Omitted"
+)
+
+// Caps on the answered outbox ids an outcome carries, so that an outcome answering any number
+// of rows fits the server's max payload. The first ids are kept, the rest counted.
+const (
+	// MaxHeaderOutboxIDs is the most ids HeaderOutboxID lists (comma-separated).
+	MaxHeaderOutboxIDs = 100
+	// MaxBodyOutboxIDs is the most ids OutcomeEvent.OutboxIDs holds.
+	MaxBodyOutboxIDs = 1000
 )
 
 // AnswersPrefix is the prefix of the transactional logical decoding message a worker emits,
@@ -55,31 +73,89 @@ type OutcomeEvent struct {
 	ContentOmitted bool      `json:"content_omitted,omitempty"`
 	ContentBytes   int       `json:"content_bytes"`
 	CreatedAt      time.Time `json:"created_at"`
-	// OutboxIDs are the outbox rows this message answers, when the worker announced them.
+	// OutboxIDs are the outbox rows this message answers, when the worker announced them: the
+	// first MaxBodyOutboxIDs of them (fewer if even the event without content would not fit
+	// the max payload).
 	OutboxIDs []int64 `json:"outbox_ids,omitempty"`
+	// OutboxIDsOmitted counts the answered ids left out of OutboxIDs; read the rest from
+	// agent_outbox (reply_id) when you need them.
+	OutboxIDsOmitted int `json:"outbox_ids_omitted,omitempty"`
 }
 
 // TurnMsgID is the Nats-Msg-Id of the turn event of an outbox row.
 func TurnMsgID(outboxID int64) string { return "turn:" + strconv.FormatInt(outboxID, 10) }
 
-// OutcomeMsgID is the Nats-Msg-Id of the outcome event of a message.
-func OutcomeMsgID(messageID string) string { return "outcome:" + headerValue(messageID) }
+// OutcomeMsgID is the Nats-Msg-Id of the outcome event of a message: "outcome:" and
+// HeaderID(messageID), so distinct message ids never share one, and JetStream never drops an
+// outcome as the duplicate of another message's.
+func OutcomeMsgID(messageID string) string { return "outcome:" + HeaderID(messageID) }
 
-// headerValue returns s when it is safe as a NATS header value, else its subject token.
-func headerValue(s string) string {
-	safe := utf8.ValidString(s) && s != ""
-	for i := 0; safe && i < len(s); i++ {
-		if s[i] < 0x20 || s[i] == 0x7f {
-			safe = false
+// headerEncodedMark starts every encoded HeaderID; plain ids never start with it.
+const headerEncodedMark = '~'
+
+// isPlainHeaderID reports whether id is its own header value: non-empty, printable ASCII
+// without space ('!' to '~'), not starting with headerEncodedMark. Such a value is never
+// changed by nats.go and never mistaken for an encoded one.
+func isPlainHeaderID(id string) bool {
+	if id == "" || id[0] == headerEncodedMark {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		if id[i] < '!' || id[i] > '~' {
+			return false
 		}
 	}
-	if safe {
-		return s
+	return true
+}
+
+// HeaderID returns the header value that carries id (a conversation or message id): the id
+// itself when it is non-empty printable ASCII without spaces and does not start with "~";
+// otherwise "~" followed by the unpadded base64url encoding of its bytes ("~" alone for the
+// empty id). The mapping is injective for every string, any length or bytes: plain values
+// never start with "~", encoded ones always do, and base64 is injective. ParseHeaderID
+// reverses it.
+func HeaderID(id string) string {
+	if isPlainHeaderID(id) {
+		return id
 	}
-	if tok, err := subject.Token(s); err == nil {
-		return tok
+	buf := make([]byte, 1+base64.RawURLEncoding.EncodedLen(len(id)))
+	buf[0] = headerEncodedMark
+	base64.RawURLEncoding.Encode(buf[1:], []byte(id))
+	return string(buf)
+}
+
+// ErrInvalidHeaderID is wrapped by ParseHeaderID's errors.
+var ErrInvalidHeaderID = errors.New("not a Baton header id")
+
+// ParseHeaderID returns the id whose HeaderID is v. It accepts exactly the values HeaderID
+// produces (HeaderID(id) == v whenever it succeeds), and returns an error wrapping
+// ErrInvalidHeaderID otherwise.
+func ParseHeaderID(v string) (string, error) {
+	if v == "" {
+		return "", fmt.Errorf("%w: empty", ErrInvalidHeaderID)
 	}
-	return "~invalid"
+	if v[0] != headerEncodedMark {
+		if !isPlainHeaderID(v) {
+			return "", fmt.Errorf("%w: %q has a byte outside '!'..'~'", ErrInvalidHeaderID, v)
+		}
+		return v, nil
+	}
+	payload := v[1:]
+	// The alphabet check comes first: the base64 decoder skips '\r' and '\n' even in strict
+	// mode. Strict rejects non-zero trailing bits, which would give one id several values.
+	for i := 0; i < len(payload); i++ {
+		if c := payload[i]; !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '_' || c == '-') {
+			return "", fmt.Errorf("%w: %q has a byte outside the base64url alphabet", ErrInvalidHeaderID, v)
+		}
+	}
+	id, err := base64.RawURLEncoding.Strict().DecodeString(payload)
+	if err != nil {
+		return "", fmt.Errorf("%w: %q: %w", ErrInvalidHeaderID, v, err)
+	}
+	if isPlainHeaderID(string(id)) {
+		return "", fmt.Errorf("%w: %q encodes %q, whose header value is the id itself", ErrInvalidHeaderID, v, id)
+	}
+	return string(id), nil
 }
 
 // turnMsg builds the turn event of an outbox row. The body is what json.Marshal(row) gives,
@@ -107,8 +183,8 @@ func turnMsg(prefix string, row TurnEvent) (*nats.Msg, error) {
 	return &nats.Msg{Subject: subj, Data: b, Header: nats.Header{
 		nats.MsgIdHdr:        {"turn:" + id},
 		HeaderOutboxID:       {id},
-		HeaderConversationID: {headerValue(row.ConversationID)},
-		HeaderMessageID:      {headerValue(row.MessageID)},
+		HeaderConversationID: {HeaderID(row.ConversationID)},
+		HeaderMessageID:      {HeaderID(row.MessageID)},
 	}}, nil
 }
 
@@ -166,8 +242,14 @@ func appendJSONString(b []byte, s string) []byte {
 	return append(b, '"')
 }
 
-// outcomeMsg builds the outcome event of a reply. When the event would exceed maxPayload bytes
-// (body plus headers), it is built without content and flagged, never dropped.
+// outcomeMsg builds the outcome event of a reply, never larger than maxPayload bytes as the
+// server measures it (header block plus body; 0 means unknown, no limit). It carries at most
+// the first MaxHeaderOutboxIDs answered ids in HeaderOutboxID and the first MaxBodyOutboxIDs in
+// the body, with the count of the rest (HeaderOutboxIDsOmitted, outbox_ids_omitted). When that
+// is still too large it is built without content and flagged, never dropped; if even that does
+// not fit, it carries fewer ids (halving) down to none. An event that does not fit without
+// content and ids (an absurdly small max payload) is an error wrapping errOutcomeTooLarge:
+// publishing it could only fail with ErrMaxPayload on every retry.
 func outcomeMsg(prefix string, ev OutcomeEvent, maxPayload int) (*nats.Msg, error) {
 	subj, err := subject.Outcomes(prefix, ev.ConversationID)
 	if err != nil {
@@ -176,31 +258,72 @@ func outcomeMsg(prefix string, ev OutcomeEvent, maxPayload int) (*nats.Msg, erro
 	ev.ContentBytes = len(ev.Content)
 	m := nats.NewMsg(subj)
 	m.Header.Set(nats.MsgIdHdr, OutcomeMsgID(ev.MessageID))
-	m.Header.Set(HeaderConversationID, headerValue(ev.ConversationID))
-	m.Header.Set(HeaderMessageID, headerValue(ev.MessageID))
+	m.Header.Set(HeaderConversationID, HeaderID(ev.ConversationID))
+	m.Header.Set(HeaderMessageID, HeaderID(ev.MessageID))
 	m.Header.Set(HeaderRole, ev.Role)
-	if len(ev.OutboxIDs) > 0 {
-		m.Header.Set(HeaderOutboxID, joinIDs(ev.OutboxIDs))
-	}
-	// Headers are small; keep a generous margin for their encoding.
-	const headerRoom = 1024
-	if maxPayload > 0 && len(ev.Content)*6+headerRoom+512 > maxPayload {
-		// JSON may escape a byte into up to 6; measure the real size before deciding.
-		body, err := json.Marshal(ev)
-		if err != nil {
-			return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
+	all := ev.OutboxIDs
+	inHeader, inBody := min(len(all), MaxHeaderOutboxIDs), min(len(all), MaxBodyOutboxIDs)
+	setIDs := func() {
+		delete(m.Header, HeaderOutboxID)
+		delete(m.Header, HeaderOutboxIDsOmitted)
+		if inHeader > 0 {
+			m.Header.Set(HeaderOutboxID, joinIDs(all[:inHeader]))
 		}
-		if len(body)+headerRoom > maxPayload {
-			ev.Content, ev.ContentOmitted = "", true
-			m.Header.Set(HeaderContentOmitted, "true")
+		if rest := len(all) - inHeader; rest > 0 {
+			m.Header.Set(HeaderOutboxIDsOmitted, strconv.Itoa(rest))
+		}
+		ev.OutboxIDs, ev.OutboxIDsOmitted = all[:inBody:inBody], len(all)-inBody
+		if inBody == 0 {
+			ev.OutboxIDs = nil
 		}
 	}
+	setIDs()
 	body, err := json.Marshal(ev)
 	if err != nil {
 		return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
 	}
-	m.Data = body
-	return m, nil
+	if maxPayload <= 0 || msgSize(m.Header, body) <= maxPayload {
+		m.Data = body
+		return m, nil
+	}
+	ev.Content, ev.ContentOmitted = "", true
+	m.Header.Set(HeaderContentOmitted, "true")
+	for {
+		if body, err = json.Marshal(ev); err != nil {
+			return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
+		}
+		size := msgSize(m.Header, body)
+		if size <= maxPayload {
+			m.Data = body
+			return m, nil
+		}
+		if inHeader == 0 && inBody == 0 {
+			return nil, fmt.Errorf("outcome event for message %q: %w: %d bytes without content or ids, max payload %d",
+				ev.MessageID, errOutcomeTooLarge, size, maxPayload)
+		}
+		inHeader, inBody = inHeader/2, inBody/2
+		setIDs()
+	}
+}
+
+// errOutcomeTooLarge is wrapped by the error of an outcome that cannot fit the server's max
+// payload even without its content and answered ids. No retry can fix it.
+var errOutcomeTooLarge = errors.New("outcome does not fit the max payload")
+
+// msgSize returns the size of a message as NATS measures it against the server's max payload,
+// the way nats.go writes it: "NATS/1.0\r\n", "Key: value\r\n" per value (values trimmed),
+// "\r\n", then the body. The reply subject does not count.
+func msgSize(h nats.Header, body []byte) int {
+	if len(h) == 0 {
+		return len(body)
+	}
+	n := len("NATS/1.0\r\n") + len("\r\n")
+	for k, vs := range h {
+		for _, v := range vs {
+			n += len(k) + len(": ") + len(textproto.TrimString(v)) + len("\r\n")
+		}
+	}
+	return n + len(body)
 }
 
 func joinIDs(ids []int64) string {
