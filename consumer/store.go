@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -194,10 +195,14 @@ func (s *store) claimMany(ctx context.Context, reqs []claimReq) ([]claim, error)
 	return out, nil
 }
 
-// unclaim hands back whatever a claim whose answer was lost (the connection failed after it
-// committed) took for reqs' runs, so those rows wait for no lease: no handler saw them, and the
-// attempt is refunded. Best effort: rows it cannot reach are recovered when their lease ends.
+// unclaim undoes whatever a claim whose answer was lost (the connection failed, or the
+// deadline passed, after it committed) did for reqs' runs: their rows go back to pending with
+// the attempt refunded, and their run records go (no handler ever saw them), so the run ids
+// can be claimed with again. Best effort, on a context of its own since the claim's may have
+// ended: rows it cannot reach are recovered when their lease ends.
 func (s *store) unclaim(ctx context.Context, reqs []claimReq) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
 	runs := make([]string, len(reqs))
 	for i, r := range reqs {
 		runs[i] = r.runID
@@ -205,8 +210,7 @@ func (s *store) unclaim(ctx context.Context, reqs []claimReq) {
 	batch := &pgx.Batch{}
 	batch.Queue(`UPDATE agent_outbox SET status = 'pending', run_id = NULL, lease_expires_at = NULL,
 		attempts = greatest(attempts - 1, 0) WHERE run_id = ANY($1::uuid[]) AND status = 'processing'`, runs)
-	batch.Queue(`UPDATE agent_runs SET finished_at = clock_timestamp(), outcome = 'released', error = 'claim answer lost'
-		WHERE run_id = ANY($1::uuid[]) AND finished_at IS NULL`, runs)
+	batch.Queue(`DELETE FROM agent_runs WHERE run_id = ANY($1::uuid[]) AND finished_at IS NULL`, runs)
 	_ = s.pool.SendBatch(ctx, batch).Close()
 }
 
@@ -362,11 +366,11 @@ func newReplyID(role string) string {
 //   - the reply or error messages, whose foreign key fails (23503) when a conversation was
 //     deleted meanwhile;
 //   - the claimed rows terminal, fenced by run id: baton_fence raises BT001 unless, for each
-//     run, every one of its claimed rows ($11 holds each run's count) is still its own. A
-//     deleted conversation is not a lost lease: the fence stands aside for a run whose
-//     conversation row is gone (its conv update found nothing), and the foreign key reports
-//     it. Per run, so that a conversation deleted and recreated meanwhile (the foreign key
-//     passes) cannot switch the fence off for its batch-mates;
+//     run, every one of its claimed rows ($11 holds each run's count) is still its own and its
+//     conversation row was updated. A conversation deleted meanwhile, or deleted and
+//     recreated with the same id (the foreign key would pass), fails the fence too: the old
+//     turn's reply never lands in a new conversation. finishOne tells a deleted conversation
+//     from a lost lease afterwards;
 //   - the runs' operations attached to their replies (any still running marked interrupted),
 //     the conversations' metadata, the runs' records.
 //
@@ -408,7 +412,7 @@ WITH input AS (
     FROM input i
     WHERE r.run_id = ANY($2) AND r.run_id = i.run_id
 )
-SELECT baton_fence(coalesce(bool_and(coalesce(d.n, 0) = i.n OR c.id IS NULL), true), 'a run no longer owns its rows')
+SELECT baton_fence(coalesce(bool_and(coalesce(d.n, 0) = i.n AND c.id IS NOT NULL), true), 'a run no longer owns its rows')
 FROM unnest($2::uuid[], $1::text[], $11::int[]) AS i(run_id, conversation_id, n)
 LEFT JOIN (SELECT run_id, count(*)::int AS n FROM done GROUP BY run_id) d ON d.run_id = i.run_id
 LEFT JOIN conv c ON c.id = i.conversation_id`
@@ -421,6 +425,12 @@ LEFT JOIN conv c ON c.id = i.conversation_id`
 // transient error is retried (see finishRetrying).
 func (s *store) finishOne(ctx context.Context, r finishReq) error {
 	err := s.finishRetrying(ctx, []finishReq{r})
+	if errors.Is(err, errLeaseLost) {
+		var exists bool
+		if qerr := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM conversations WHERE id = $1)`, r.conversationID).Scan(&exists); qerr == nil && !exists {
+			return errConversationGone
+		}
+	}
 	if err != nil && !runFailed(err) {
 		return fmt.Errorf("finish run %s: %w", r.runID, err)
 	}
@@ -445,11 +455,23 @@ func (s *store) finishMany(ctx context.Context, reqs []finishReq) ([]error, erro
 	if ctx.Err() != nil {
 		return nil, fmt.Errorf("finish %d runs: %w", len(reqs), err)
 	}
+	// Apart, and several at a time: a run whose conversation row another transaction holds
+	// waits out its lock_timeout without holding up the others.
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, isolateConcurrency)
 	for i, r := range reqs {
-		errs[i] = s.finishOne(ctx, r)
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			errs[i] = s.finishOne(ctx, r)
+		})
 	}
+	wg.Wait()
 	return errs, nil
 }
+
+// isolateConcurrency is how many runs of a failed shared final commit are redone at once.
+const isolateConcurrency = 8
 
 // runFailed reports whether err is about one run of a final commit rather than the commit.
 func runFailed(err error) bool {
@@ -748,6 +770,10 @@ func (s *store) endHeld(ctx context.Context, tx pgx.Tx, r endReq, held []heldRow
 	return e, err
 }
 
+// leaseExpired is true for a processing row whose lease is over: expired, or never set or not a
+// real time (rows Baton did not write), so that no such row keeps its conversation busy.
+const leaseExpired = `(lease_expires_at IS NULL OR lease_expires_at < now() OR NOT isfinite(lease_expires_at))`
+
 // expiredRun is a run holding processing rows whose lease expired. runID is "" for
 // processing rows that name no run (not written by Baton): recovery treats them as one dead
 // run of their conversation.
@@ -756,7 +782,7 @@ type expiredRun struct{ runID, conversationID string }
 // expiredRuns lists runs holding processing rows whose lease expired.
 func (s *store) expiredRuns(ctx context.Context, limit int) ([]expiredRun, error) {
 	rows, err := s.pool.Query(ctx, `SELECT DISTINCT coalesce(run_id::text, ''), conversation_id FROM agent_outbox
-		WHERE status = 'processing' AND coalesce(lease_expires_at, '-infinity') < now() LIMIT $1`, limit)
+		WHERE status = 'processing' AND `+leaseExpired+` LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("find expired leases: %w", err)
 	}
@@ -794,7 +820,7 @@ func (s *store) recoverRun(ctx context.Context, run expiredRun) (recovered, erro
 		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 			held, err := lockHeld(ctx, tx, `SELECT id, attempts FROM agent_outbox
 				WHERE conversation_id = $1 AND run_id IS NOT DISTINCT FROM nullif($2, '')::uuid AND status = 'processing'
-				  AND coalesce(lease_expires_at, '-infinity') < now()
+				  AND `+leaseExpired+`
 				ORDER BY id FOR UPDATE SKIP LOCKED`, run.conversationID, run.runID)
 			if err != nil || len(held) == 0 {
 				return err
@@ -832,6 +858,12 @@ func (s *store) recoverRun(ctx context.Context, run expiredRun) (recovered, erro
 			return nil
 		})
 	}, func() (bool, error) {
+		if run.runID == "" {
+			var left bool
+			err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM agent_outbox
+				WHERE conversation_id = $1 AND run_id IS NULL AND status = 'processing')`, run.conversationID).Scan(&left)
+			return !left, err
+		}
 		var outcome *string
 		err := s.pool.QueryRow(ctx, `SELECT outcome FROM agent_runs WHERE run_id = $1`, run.runID).Scan(&outcome)
 		return outcome != nil, err

@@ -408,12 +408,18 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 	w.m.attempts.Observe(float64(c.attempts))
 
 	// The turn outlives a stopping worker by ShutdownGrace, and ends at once if the lease is lost.
+	// The lease is kept until the run's end has committed: a final commit queued behind
+	// others must not find the rows recovered meanwhile.
 	turnCtx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 	defer cancel(nil)
-	keeper := make(chan struct{})
+	runEnded, keeper := make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(keeper)
-		w.keepLease(ctx, turnCtx, cancel, conv, runID, c.ids)
+		w.keepLease(ctx, runEnded, cancel, conv, runID, c.ids)
+	}()
+	defer func() {
+		close(runEnded)
+		<-keeper
 	}()
 
 	var reply Reply
@@ -427,8 +433,8 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 		reply, herr = w.handle(turnCtx, conv, runID, c)
 	}
 	cancel(nil)
-	<-keeper
-	if cause := context.Cause(turnCtx); errors.Is(cause, errLeaseLost) || errors.Is(herr, errLeaseLost) {
+	cause := context.Cause(turnCtx) // fixed now: later cancels change nothing
+	if errors.Is(cause, errLeaseLost) || errors.Is(herr, errLeaseLost) {
 		// Recovery (or whoever took the rows) decides their fate, seeing this run's operations.
 		w.m.turns.WithLabelValues("lease_lost").Inc()
 		log.Warn("lease lost during the turn; its result is discarded")
@@ -447,7 +453,7 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 			outcome: outcome{role: "assistant", content: reply.Content}})
 	} else {
 		// Not a reply: endOfRun decides per row, seeing every write operation of the run.
-		stopping := errors.Is(context.Cause(turnCtx), errStopping)
+		stopping := errors.Is(cause, errStopping)
 		var e ended
 		e, err = w.store.endRun(dbCtx, endReq{conversationID: conv, runID: runID, ids: c.ids, cause: herr,
 			stopping: stopping, permanent: c.oversize || c.unreadable})
@@ -505,8 +511,9 @@ func (w *Worker) finish(ctx context.Context, r finishReq) error {
 }
 
 // keepLease renews the run's lease every Lease/3 and marks held events in progress, until
-// turnCtx ends. It cancels the turn when the lease is lost, and ShutdownGrace after ctx ends.
-func (w *Worker) keepLease(ctx, turnCtx context.Context, cancel context.CancelCauseFunc, conv, runID string, ids []int64) {
+// runEnded is closed (the run's end committed, or failed to). It cancels the turn when the
+// lease is lost, and ShutdownGrace after ctx ends.
+func (w *Worker) keepLease(ctx context.Context, runEnded <-chan struct{}, cancel context.CancelCauseFunc, conv, runID string, ids []int64) {
 	t := time.NewTicker(w.cfg.Lease / 3)
 	defer t.Stop()
 	inProgress := time.NewTicker(w.cfg.AckWait / 3)
@@ -515,14 +522,14 @@ func (w *Worker) keepLease(ctx, turnCtx context.Context, cancel context.CancelCa
 	stopping := ctx.Done()
 	for {
 		select {
-		case <-turnCtx.Done():
+		case <-runEnded:
 			return
 		case <-stopping:
 			stopping = nil
 			grace = time.After(w.cfg.ShutdownGrace)
 		case <-grace:
-			cancel(errStopping)
-			return
+			grace = nil
+			cancel(errStopping) // the lease is still kept while the run ends
 		case <-inProgress.C:
 			w.mu.Lock()
 			held := append([]event(nil), w.convs[conv].events...)
@@ -533,7 +540,9 @@ func (w *Worker) keepLease(ctx, turnCtx context.Context, cancel context.CancelCa
 				}
 			}
 		case <-t.C:
-			ok, err := w.store.renew(turnCtx, conv, runID, ids)
+			rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.Lease/3)
+			ok, err := w.store.renew(rctx, conv, runID, ids)
+			rcancel()
 			if err != nil {
 				w.cfg.Logger.Warn("renew lease", "run_id", runID, "error", err)
 				continue
