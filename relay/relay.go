@@ -82,7 +82,12 @@ func (r *Relay) Run(ctx context.Context) error {
 func (r *Relay) session(ctx context.Context) error {
 	cfg := &r.cfg
 	log := cfg.Logger
-	conn, err := pgx.Connect(ctx, cfg.DatabaseURL)
+	connCfg, err := pgx.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return fmt.Errorf("%w: parse database url: %w", ErrSetup, err)
+	}
+	pinSession(connCfg.RuntimeParams)
+	conn, err := pgx.ConnectConfig(ctx, connCfg)
 	if err != nil {
 		r.m.errors.WithLabelValues("postgres").Inc()
 		return fmt.Errorf("connect to postgres: %w", err)
@@ -121,13 +126,9 @@ func (r *Relay) session(ctx context.Context) error {
 		return err
 	}
 
-	replCfg, err := pgconn.ParseConfig(cfg.DatabaseURL)
-	if err != nil {
-		return fmt.Errorf("%w: parse database url: %w", ErrSetup, err)
-	}
+	replCfg := connCfg.Config.Copy()
 	replCfg.RuntimeParams["replication"] = "database"
 	replCfg.RuntimeParams["application_name"] = "baton-relay"
-	replCfg.RuntimeParams["timezone"] = "UTC"
 
 	for {
 		err := r.stream(ctx, conn, replCfg)
@@ -141,6 +142,31 @@ func (r *Relay) session(ctx context.Context) error {
 			continue
 		}
 		return err
+	}
+}
+
+// sessionParams are sent as startup parameters on every connection the relay opens. Settings a
+// client sends at startup take precedence over ALTER DATABASE and ALTER ROLE settings, which
+// apply to replication sessions too: pgoutput prints each value with its session's settings
+// (DateStyle 'SQL, DMY' prints "29/02/2024 23:59:58 UTC"), and the decoder reads them in the
+// forms these settings give: ISO timestamps in UTC, postgres-style intervals, and floats with
+// every digit.
+var sessionParams = map[string]string{
+	"datestyle":          "ISO, MDY",
+	"intervalstyle":      "postgres",
+	"extra_float_digits": "3",
+	"timezone":           "UTC",
+}
+
+// pinSession sets sessionParams in params, replacing what the database URL set.
+func pinSession(params map[string]string) {
+	for k := range params {
+		if _, pinned := sessionParams[strings.ToLower(k)]; pinned {
+			delete(params, k) // "DateStyle" and "datestyle" would both be sent
+		}
+	}
+	for k, v := range sessionParams {
+		params[k] = v
 	}
 }
 
