@@ -190,7 +190,7 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		return fmt.Errorf("%w: slot %s has wal_status lost: drop it with SELECT pg_drop_replication_slot('%s') "+
 			"and restart the relay to recreate it and backfill unfinished rows", ErrSlotLost, cfg.Slot, cfg.Slot)
 	}
-	if slot.exists && (slot.plugin != "pgoutput" || slot.database != conn.Config().Database) {
+	if slot.exists && (slot.plugin != "pgoutput" || !slot.ours) {
 		return fmt.Errorf("%w: slot %s belongs to plugin %q on database %q", ErrSetup, cfg.Slot, slot.plugin, slot.database)
 	}
 	if slot.exists && !slot.backfill {

@@ -138,6 +138,7 @@ type slotInfo struct {
 	exists    bool
 	plugin    string
 	database  string
+	ours      bool // database is the one connected to: current_database(), which a URL may leave unnamed
 	walStatus string
 	confirmed string
 	backfill  bool // the relay recorded a finished backfill for it
@@ -145,9 +146,9 @@ type slotInfo struct {
 
 func readSlot(ctx context.Context, conn *pgx.Conn, cfg *Config) (slotInfo, error) {
 	var s slotInfo
-	err := conn.QueryRow(ctx, `SELECT coalesce(plugin, ''), coalesce(database, ''), coalesce(wal_status, ''),
-			coalesce(confirmed_flush_lsn::text, '')
-		FROM pg_replication_slots WHERE slot_name = $1`, cfg.Slot).Scan(&s.plugin, &s.database, &s.walStatus, &s.confirmed)
+	err := conn.QueryRow(ctx, `SELECT coalesce(plugin, ''), coalesce(database, ''), database IS NOT DISTINCT FROM current_database(),
+			coalesce(wal_status, ''), coalesce(confirmed_flush_lsn::text, '')
+		FROM pg_replication_slots WHERE slot_name = $1`, cfg.Slot).Scan(&s.plugin, &s.database, &s.ours, &s.walStatus, &s.confirmed)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 	case err != nil:
