@@ -206,8 +206,17 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		if err := r.createAndBackfill(ctx, conn, repl); err != nil {
 			return err
 		}
-	} else if lsn, err := pglogrepl.ParseLSN(slot.confirmed); err == nil && uint64(lsn) > r.confirmed.Load() {
+	} else {
+		// The slot's position is the truth at every session start, also when it is behind
+		// what this process confirmed before: after a restore or a failover the slot may have
+		// gone back, and the transactions after its position are replayed. Keeping a higher
+		// LSN from memory would confirm them to the server before they were published again.
+		lsn, err := pglogrepl.ParseLSN(slot.confirmed)
+		if err != nil {
+			return fmt.Errorf("slot %s confirmed_flush_lsn %q: %w", cfg.Slot, slot.confirmed, err)
+		}
 		r.confirmed.Store(uint64(lsn))
+		r.m.confirmedLSN.Set(float64(lsn))
 	}
 
 	err = pglogrepl.StartReplication(ctx, repl, cfg.Slot, 0, pglogrepl.StartReplicationOptions{
