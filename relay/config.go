@@ -55,6 +55,11 @@ type Config struct {
 	// DrainTimeout bounds how long a stopping relay waits for PubAcks of what it published
 	// before it confirms and returns. Default 10s.
 	DrainTimeout time.Duration
+	// RecreateSlot allows the relay to drop a slot with its name that Baton did not create (no
+	// row in baton_relay_slots: made by an operator or another tool) and to create its own in
+	// its place, with the first-start backfill. Default false: such a slot is refused with
+	// ErrSetup and left as it is. Baton's own slots are never dropped for this setting.
+	RecreateSlot bool
 	// BackfillBatch is how many rows the first-start backfill reads per round trip. Default 1000.
 	BackfillBatch int
 

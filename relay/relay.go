@@ -185,28 +185,29 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 	if err != nil {
 		return err
 	}
-	if slot.exists && slot.walStatus == "lost" {
+	action, err := decideSlot(slot, cfg.Slot, cfg.RecreateSlot)
+	if errors.Is(err, ErrSlotLost) {
 		r.m.slotLost.Set(1)
-		return fmt.Errorf("%w: slot %s has wal_status lost: drop it with SELECT pg_drop_replication_slot('%s') "+
-			"and restart the relay to recreate it and backfill unfinished rows", ErrSlotLost, cfg.Slot, cfg.Slot)
 	}
-	if slot.exists && (slot.plugin != "pgoutput" || !slot.ours) {
-		return fmt.Errorf("%w: slot %s belongs to plugin %q on database %q", ErrSetup, cfg.Slot, slot.plugin, slot.database)
+	if err != nil {
+		return err
 	}
-	if slot.exists && !slot.backfill {
-		// A relay died during its first-start backfill: nothing was streamed from this slot, so
-		// recreating it and backfilling again loses nothing (Nats-Msg-Id drops repeats).
-		log.Warn("slot has no finished backfill; recreating it", "slot", cfg.Slot)
-		if err := pglogrepl.DropReplicationSlot(ctx, repl, cfg.Slot, pglogrepl.DropReplicationSlotOptions{}); err != nil {
-			return fmt.Errorf("drop unfinished slot %s: %w", cfg.Slot, err)
+	switch action {
+	case slotRecreate:
+		if slot.recorded {
+			log.Warn("slot has no finished backfill; recreating it", "slot", cfg.Slot)
+		} else {
+			log.Warn("dropping a slot Baton did not create, as RecreateSlot allows", "slot", cfg.Slot, "plugin", slot.plugin)
 		}
-		slot.exists = false
-	}
-	if !slot.exists {
+		if err := pglogrepl.DropReplicationSlot(ctx, repl, cfg.Slot, pglogrepl.DropReplicationSlotOptions{}); err != nil {
+			return fmt.Errorf("drop slot %s: %w", cfg.Slot, err)
+		}
+		fallthrough
+	case slotCreate:
 		if err := r.createAndBackfill(ctx, conn, repl); err != nil {
 			return err
 		}
-	} else {
+	case slotStream:
 		// The slot's position is the truth at every session start, also when it is behind
 		// what this process confirmed before: after a restore or a failover the slot may have
 		// gone back, and the transactions after its position are replayed. Keeping a higher
@@ -245,6 +246,13 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 // committed before it by the backfill, after it by the stream.
 func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgconn.PgConn) error {
 	cfg := &r.cfg
+	// Recorded before the slot exists: a relay killed from here until the backfill is marked
+	// done leaves a slot that the next start knows as Baton's own and recreates.
+	if _, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
+		VALUES ($1, NULL, 0, false) ON CONFLICT (slot_name) DO UPDATE
+		SET consistent_point = NULL, backfill_rows = 0, backfill_done = false, created_at = now()`, cfg.Slot); err != nil {
+		return fmt.Errorf("record slot %s: %w", cfg.Slot, err)
+	}
 	created, err := pglogrepl.CreateReplicationSlot(ctx, repl, cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
 		Mode:           pglogrepl.LogicalReplication,
 		SnapshotAction: "EXPORT_SNAPSHOT",
@@ -261,9 +269,9 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 	if err != nil {
 		return fmt.Errorf("backfill: %w", err)
 	}
-	if _, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows)
-		VALUES ($1, $2, $3) ON CONFLICT (slot_name) DO UPDATE
-		SET consistent_point = excluded.consistent_point, backfill_rows = excluded.backfill_rows, created_at = now()`,
+	if _, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
+		VALUES ($1, $2, $3, true) ON CONFLICT (slot_name) DO UPDATE
+		SET consistent_point = excluded.consistent_point, backfill_rows = excluded.backfill_rows, backfill_done = true`,
 		cfg.Slot, created.ConsistentPoint, n); err != nil {
 		return fmt.Errorf("record backfill of slot %s: %w", cfg.Slot, err)
 	}
