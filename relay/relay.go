@@ -303,40 +303,56 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 		if err := p.feed(gctx, item{kind: itemBegin}); err != nil {
 			return err
 		}
-		rows, err := tx.Query(gctx, `SELECT id, conversation_id, message_id, status, attempts, created_at
-			FROM agent_outbox WHERE status IN ('pending', 'processing') ORDER BY id`)
-		if err != nil {
-			return err
-		}
-		defer rows.Close()
-		batch := make([]item, 0, 256)
-		for rows.Next() {
-			var ev TurnEvent
-			if err := rows.Scan(&ev.OutboxID, &ev.ConversationID, &ev.MessageID, &ev.Status, &ev.Attempts, &ev.CreatedAt); err != nil {
-				return err
-			}
-			ev.CreatedAt = ev.CreatedAt.UTC()
-			msg, err := turnMsg(cfg.SubjectPrefix, ev)
+		// Pages of BackfillBatch rows in id order, all from the same snapshot: the pipeline
+		// publishes a page while the next one is read.
+		var after int64
+		for {
+			page, last, err := r.backfillPage(gctx, tx, after)
 			if err != nil {
 				return err
 			}
-			if batch = append(batch, item{kind: itemEvent, msg: msg}); len(batch) == cap(batch) {
-				if err := p.feed(gctx, batch...); err != nil {
-					return err
-				}
-				batch = batch[:0] // feed handled every item: the slice is free
+			if err := p.feed(gctx, page...); err != nil {
+				return err
 			}
-			n++
+			n += int64(len(page))
+			if len(page) < cfg.BackfillBatch {
+				return nil
+			}
+			after = last
 		}
-		if err := rows.Err(); err != nil {
-			return err
-		}
-		return p.feed(gctx, batch...)
 	})
 	if err := g.Wait(); err != nil {
 		return n, err
 	}
 	return n, nil
+}
+
+// backfillPage reads up to BackfillBatch unfinished outbox rows with an id above after, in id
+// order, as turn events, and returns them with the last id read.
+func (r *Relay) backfillPage(ctx context.Context, tx pgx.Tx, after int64) ([]item, int64, error) {
+	rows, err := tx.Query(ctx, `SELECT id, conversation_id, message_id, status, attempts, created_at
+		FROM agent_outbox WHERE status IN ('pending', 'processing') AND id > $1 ORDER BY id LIMIT $2`,
+		after, r.cfg.BackfillBatch)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer rows.Close()
+	var page []item
+	var last int64
+	for rows.Next() {
+		var ev TurnEvent
+		if err := rows.Scan(&ev.OutboxID, &ev.ConversationID, &ev.MessageID, &ev.Status, &ev.Attempts, &ev.CreatedAt); err != nil {
+			return nil, 0, err
+		}
+		ev.CreatedAt = ev.CreatedAt.UTC()
+		msg, err := turnMsg(r.cfg.SubjectPrefix, ev)
+		if err != nil {
+			return nil, 0, err
+		}
+		page = append(page, item{kind: itemEvent, msg: msg})
+		last = ev.OutboxID
+	}
+	return page, last, rows.Err()
 }
 
 // stoppedIsNil returns nil for errStopped: the reader stops because the pipeline did, whose

@@ -101,15 +101,17 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) err
 		if err != nil {
 			return fmt.Errorf("look up stream %s: %w", s.name, err)
 		}
-		if err := compatible(st.CachedInfo().Config, want); err != nil {
+		if err := compatible(st.CachedInfo().Config, want, cfg.NATS.MaxPayload()); err != nil {
 			return fmt.Errorf("%w: stream %s exists with %w; change it or set another stream name", ErrSetup, s.name, err)
 		}
 	}
 	return nil
 }
 
-// compatible reports the first setting of have that breaks what the relay relies on.
-func compatible(have, want jetstream.StreamConfig) error {
+// compatible reports the settings of have that break what the relay relies on. Each of them
+// would fail every publish, or leave it without a PubAck, on every retry: the relay refuses
+// to start instead. maxPayload is the server's: the relay sizes events to fit it.
+func compatible(have, want jetstream.StreamConfig, maxPayload int64) error {
 	var bad []string
 	if !slices.Contains(have.Subjects, want.Subjects[0]) {
 		bad = append(bad, fmt.Sprintf("subjects %v (want %v)", have.Subjects, want.Subjects))
@@ -128,6 +130,13 @@ func compatible(have, want jetstream.StreamConfig) error {
 	}
 	if have.DenyDelete != want.DenyDelete || have.Sealed {
 		bad = append(bad, "sealed or deny-delete")
+	}
+	if have.NoAck {
+		bad = append(bad, "no_ack true (want false: the relay confirms nothing without a PubAck)")
+	}
+	if have.MaxMsgSize > 0 && int64(have.MaxMsgSize) < maxPayload {
+		bad = append(bad, fmt.Sprintf("max_msg_size %d (want -1 or at least the server's max_payload %d: "+
+			"the relay sizes events to the server's limit)", have.MaxMsgSize, maxPayload))
 	}
 	if len(bad) == 0 {
 		return nil
