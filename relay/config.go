@@ -5,12 +5,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"regexp"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/batonhq/baton/internal/pgname"
 	"github.com/batonhq/baton/internal/subject"
 )
 
@@ -25,9 +25,11 @@ type Config struct {
 
 	// SubjectPrefix is the first part of every subject. Default "agent".
 	SubjectPrefix string
-	// Slot is the logical replication slot. Default "baton".
+	// Slot is the logical replication slot: lowercase letters, digits and underscores, at most
+	// 63 (the rule of BATON_SLOT). Default "baton".
 	Slot string
-	// Publication is the publication to stream. Default "baton".
+	// Publication is the publication to stream: a lowercase identifier, at most 63 (the rule
+	// of BATON_PUBLICATION). Default "baton".
 	Publication string
 	// Schema holds the Baton tables. Default "public".
 	Schema string
@@ -55,7 +57,14 @@ type Config struct {
 	// DrainTimeout bounds how long a stopping relay waits for PubAcks of what it published
 	// before it confirms and returns. Default 10s.
 	DrainTimeout time.Duration
-	// BackfillBatch is how many rows the first-start backfill reads per round trip. Default 1000.
+	// RecreateSlot allows the relay to drop a slot with its name that Baton did not create (no
+	// row in baton_relay_slots: made by an operator or another tool) and to create its own in
+	// its place, with the first-start backfill. Default false: such a slot is refused with
+	// ErrSetup and left as it is. Baton's own slots are never dropped for this setting.
+	RecreateSlot bool
+	// BackfillBatch is how many rows each query of the first-start backfill reads: the backfill
+	// reads the slot's snapshot in pages in id order, and publishes a page while it reads the
+	// next. It bounds the rows held in memory at once. Default 1000.
 	BackfillBatch int
 
 	// Logger receives structured logs. Default: discard.
@@ -77,8 +86,6 @@ type StreamSettings struct {
 	// Replicas is the stream replica count. Default 1.
 	Replicas int
 }
-
-var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 
 // ErrConfig wraps every configuration error.
 var ErrConfig = errors.New("relay config")
@@ -102,10 +109,11 @@ func (c *Config) fill() error {
 	if err := subject.ValidatePrefix(c.SubjectPrefix); err != nil {
 		return fmt.Errorf("%w: subject prefix: %w", ErrConfig, err)
 	}
-	for name, v := range map[string]string{"slot": c.Slot, "publication": c.Publication} {
-		if !identRE.MatchString(v) {
-			return fmt.Errorf("%w: %s %q must match %s", ErrConfig, name, v, identRE)
-		}
+	if err := pgname.Slot(c.Slot); err != nil {
+		return fmt.Errorf("%w: slot %w", ErrConfig, err)
+	}
+	if err := pgname.Publication(c.Publication); err != nil {
+		return fmt.Errorf("%w: publication %w", ErrConfig, err)
 	}
 	def(&c.TurnsStream, StreamName(c.SubjectPrefix, subject.KindTurns))
 	def(&c.OutcomesStream, StreamName(c.SubjectPrefix, subject.KindOutcomes))

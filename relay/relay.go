@@ -82,7 +82,12 @@ func (r *Relay) Run(ctx context.Context) error {
 func (r *Relay) session(ctx context.Context) error {
 	cfg := &r.cfg
 	log := cfg.Logger
-	conn, err := pgx.Connect(ctx, cfg.DatabaseURL)
+	connCfg, err := pgx.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return fmt.Errorf("%w: parse database url: %w", ErrSetup, err)
+	}
+	pinSession(connCfg.RuntimeParams)
+	conn, err := pgx.ConnectConfig(ctx, connCfg)
 	if err != nil {
 		r.m.errors.WithLabelValues("postgres").Inc()
 		return fmt.Errorf("connect to postgres: %w", err)
@@ -121,13 +126,9 @@ func (r *Relay) session(ctx context.Context) error {
 		return err
 	}
 
-	replCfg, err := pgconn.ParseConfig(cfg.DatabaseURL)
-	if err != nil {
-		return fmt.Errorf("%w: parse database url: %w", ErrSetup, err)
-	}
+	replCfg := connCfg.Config.Copy()
 	replCfg.RuntimeParams["replication"] = "database"
 	replCfg.RuntimeParams["application_name"] = "baton-relay"
-	replCfg.RuntimeParams["timezone"] = "UTC"
 
 	for {
 		err := r.stream(ctx, conn, replCfg)
@@ -141,6 +142,31 @@ func (r *Relay) session(ctx context.Context) error {
 			continue
 		}
 		return err
+	}
+}
+
+// sessionParams are sent as startup parameters on every connection the relay opens. Settings a
+// client sends at startup take precedence over ALTER DATABASE and ALTER ROLE settings, which
+// apply to replication sessions too: pgoutput prints each value with its session's settings
+// (DateStyle 'SQL, DMY' prints "29/02/2024 23:59:58 UTC"), and the decoder reads them in the
+// forms these settings give: ISO timestamps in UTC, postgres-style intervals, and floats with
+// every digit.
+var sessionParams = map[string]string{
+	"datestyle":          "ISO, MDY",
+	"intervalstyle":      "postgres",
+	"extra_float_digits": "3",
+	"timezone":           "UTC",
+}
+
+// pinSession sets sessionParams in params, replacing what the database URL set.
+func pinSession(params map[string]string) {
+	for k := range params {
+		if _, pinned := sessionParams[strings.ToLower(k)]; pinned {
+			delete(params, k) // "DateStyle" and "datestyle" would both be sent
+		}
+	}
+	for k, v := range sessionParams {
+		params[k] = v
 	}
 }
 
@@ -159,29 +185,39 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 	if err != nil {
 		return err
 	}
-	if slot.exists && slot.walStatus == "lost" {
+	action, err := decideSlot(slot, cfg.Slot, cfg.RecreateSlot)
+	if errors.Is(err, ErrSlotLost) {
 		r.m.slotLost.Set(1)
-		return fmt.Errorf("%w: slot %s has wal_status lost: drop it with SELECT pg_drop_replication_slot('%s') "+
-			"and restart the relay to recreate it and backfill unfinished rows", ErrSlotLost, cfg.Slot, cfg.Slot)
 	}
-	if slot.exists && (slot.plugin != "pgoutput" || slot.database != conn.Config().Database) {
-		return fmt.Errorf("%w: slot %s belongs to plugin %q on database %q", ErrSetup, cfg.Slot, slot.plugin, slot.database)
+	if err != nil {
+		return err
 	}
-	if slot.exists && !slot.backfill {
-		// A relay died during its first-start backfill: nothing was streamed from this slot, so
-		// recreating it and backfilling again loses nothing (Nats-Msg-Id drops repeats).
-		log.Warn("slot has no finished backfill; recreating it", "slot", cfg.Slot)
-		if err := pglogrepl.DropReplicationSlot(ctx, repl, cfg.Slot, pglogrepl.DropReplicationSlotOptions{}); err != nil {
-			return fmt.Errorf("drop unfinished slot %s: %w", cfg.Slot, err)
+	switch action {
+	case slotRecreate:
+		if slot.recorded {
+			log.Warn("slot has no finished backfill; recreating it", "slot", cfg.Slot)
+		} else {
+			log.Warn("dropping a slot Baton did not create, as RecreateSlot allows", "slot", cfg.Slot, "plugin", slot.plugin)
 		}
-		slot.exists = false
-	}
-	if !slot.exists {
+		if err := pglogrepl.DropReplicationSlot(ctx, repl, cfg.Slot, pglogrepl.DropReplicationSlotOptions{}); err != nil {
+			return fmt.Errorf("drop slot %s: %w", cfg.Slot, err)
+		}
+		fallthrough
+	case slotCreate:
 		if err := r.createAndBackfill(ctx, conn, repl); err != nil {
 			return err
 		}
-	} else if lsn, err := pglogrepl.ParseLSN(slot.confirmed); err == nil && uint64(lsn) > r.confirmed.Load() {
+	case slotStream:
+		// The slot's position is the truth at every session start, also when it is behind
+		// what this process confirmed before: after a restore or a failover the slot may have
+		// gone back, and the transactions after its position are replayed. Keeping a higher
+		// LSN from memory would confirm them to the server before they were published again.
+		lsn, err := pglogrepl.ParseLSN(slot.confirmed)
+		if err != nil {
+			return fmt.Errorf("slot %s confirmed_flush_lsn %q: %w", cfg.Slot, slot.confirmed, err)
+		}
 		r.confirmed.Store(uint64(lsn))
+		r.m.confirmedLSN.Set(float64(lsn))
 	}
 
 	err = pglogrepl.StartReplication(ctx, repl, cfg.Slot, 0, pglogrepl.StartReplicationOptions{
@@ -210,6 +246,13 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 // committed before it by the backfill, after it by the stream.
 func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgconn.PgConn) error {
 	cfg := &r.cfg
+	// Recorded before the slot exists: a relay killed from here until the backfill is marked
+	// done leaves a slot that the next start knows as Baton's own and recreates.
+	if _, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
+		VALUES ($1, NULL, 0, false) ON CONFLICT (slot_name) DO UPDATE
+		SET consistent_point = NULL, backfill_rows = 0, backfill_done = false, created_at = now()`, cfg.Slot); err != nil {
+		return fmt.Errorf("record slot %s: %w", cfg.Slot, err)
+	}
 	created, err := pglogrepl.CreateReplicationSlot(ctx, repl, cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
 		Mode:           pglogrepl.LogicalReplication,
 		SnapshotAction: "EXPORT_SNAPSHOT",
@@ -226,9 +269,9 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 	if err != nil {
 		return fmt.Errorf("backfill: %w", err)
 	}
-	if _, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows)
-		VALUES ($1, $2, $3) ON CONFLICT (slot_name) DO UPDATE
-		SET consistent_point = excluded.consistent_point, backfill_rows = excluded.backfill_rows, created_at = now()`,
+	if _, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
+		VALUES ($1, $2, $3, true) ON CONFLICT (slot_name) DO UPDATE
+		SET consistent_point = excluded.consistent_point, backfill_rows = excluded.backfill_rows, backfill_done = true`,
 		cfg.Slot, created.ConsistentPoint, n); err != nil {
 		return fmt.Errorf("record backfill of slot %s: %w", cfg.Slot, err)
 	}
@@ -260,40 +303,56 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 		if err := p.feed(gctx, item{kind: itemBegin}); err != nil {
 			return err
 		}
-		rows, err := tx.Query(gctx, `SELECT id, conversation_id, message_id, status, attempts, created_at
-			FROM agent_outbox WHERE status IN ('pending', 'processing') ORDER BY id`)
-		if err != nil {
-			return err
-		}
-		defer rows.Close()
-		batch := make([]item, 0, 256)
-		for rows.Next() {
-			var ev TurnEvent
-			if err := rows.Scan(&ev.OutboxID, &ev.ConversationID, &ev.MessageID, &ev.Status, &ev.Attempts, &ev.CreatedAt); err != nil {
-				return err
-			}
-			ev.CreatedAt = ev.CreatedAt.UTC()
-			msg, err := turnMsg(cfg.SubjectPrefix, ev)
+		// Pages of BackfillBatch rows in id order, all from the same snapshot: the pipeline
+		// publishes a page while the next one is read.
+		var after int64
+		for {
+			page, last, err := r.backfillPage(gctx, tx, after)
 			if err != nil {
 				return err
 			}
-			if batch = append(batch, item{kind: itemEvent, msg: msg}); len(batch) == cap(batch) {
-				if err := p.feed(gctx, batch...); err != nil {
-					return err
-				}
-				batch = batch[:0] // feed handled every item: the slice is free
+			if err := p.feed(gctx, page...); err != nil {
+				return err
 			}
-			n++
+			n += int64(len(page))
+			if len(page) < cfg.BackfillBatch {
+				return nil
+			}
+			after = last
 		}
-		if err := rows.Err(); err != nil {
-			return err
-		}
-		return p.feed(gctx, batch...)
 	})
 	if err := g.Wait(); err != nil {
 		return n, err
 	}
 	return n, nil
+}
+
+// backfillPage reads up to BackfillBatch unfinished outbox rows with an id above after, in id
+// order, as turn events, and returns them with the last id read.
+func (r *Relay) backfillPage(ctx context.Context, tx pgx.Tx, after int64) ([]item, int64, error) {
+	rows, err := tx.Query(ctx, `SELECT id, conversation_id, message_id, status, attempts, created_at
+		FROM agent_outbox WHERE status IN ('pending', 'processing') AND id > $1 ORDER BY id LIMIT $2`,
+		after, r.cfg.BackfillBatch)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer rows.Close()
+	var page []item
+	var last int64
+	for rows.Next() {
+		var ev TurnEvent
+		if err := rows.Scan(&ev.OutboxID, &ev.ConversationID, &ev.MessageID, &ev.Status, &ev.Attempts, &ev.CreatedAt); err != nil {
+			return nil, 0, err
+		}
+		ev.CreatedAt = ev.CreatedAt.UTC()
+		msg, err := turnMsg(r.cfg.SubjectPrefix, ev)
+		if err != nil {
+			return nil, 0, err
+		}
+		page = append(page, item{kind: itemEvent, msg: msg})
+		last = ev.OutboxID
+	}
+	return page, last, rows.Err()
 }
 
 // stoppedIsNil returns nil for errStopped: the reader stops because the pipeline did, whose

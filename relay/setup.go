@@ -9,13 +9,15 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/batonhq/baton/internal/subject"
 )
 
 // ErrSetup wraps misconfiguration that retrying cannot fix: wal_level, the publication, the
-// role's privileges, or a stream with incompatible settings. Run returns it.
+// role's privileges, a slot of that name that Baton did not create (see Config.RecreateSlot),
+// or a stream with incompatible settings. Run returns it.
 var ErrSetup = errors.New("relay setup")
 
 // ErrSlotLost is returned by Run when the slot was invalidated (wal_status "lost", typically
@@ -99,15 +101,17 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) err
 		if err != nil {
 			return fmt.Errorf("look up stream %s: %w", s.name, err)
 		}
-		if err := compatible(st.CachedInfo().Config, want); err != nil {
+		if err := compatible(st.CachedInfo().Config, want, cfg.NATS.MaxPayload()); err != nil {
 			return fmt.Errorf("%w: stream %s exists with %w; change it or set another stream name", ErrSetup, s.name, err)
 		}
 	}
 	return nil
 }
 
-// compatible reports the first setting of have that breaks what the relay relies on.
-func compatible(have, want jetstream.StreamConfig) error {
+// compatible reports the settings of have that break what the relay relies on. Each of them
+// would fail every publish, or leave it without a PubAck, on every retry: the relay refuses
+// to start instead. maxPayload is the server's: the relay sizes events to fit it.
+func compatible(have, want jetstream.StreamConfig, maxPayload int64) error {
 	var bad []string
 	if !slices.Contains(have.Subjects, want.Subjects[0]) {
 		bad = append(bad, fmt.Sprintf("subjects %v (want %v)", have.Subjects, want.Subjects))
@@ -127,27 +131,36 @@ func compatible(have, want jetstream.StreamConfig) error {
 	if have.DenyDelete != want.DenyDelete || have.Sealed {
 		bad = append(bad, "sealed or deny-delete")
 	}
+	if have.NoAck {
+		bad = append(bad, "no_ack true (want false: the relay confirms nothing without a PubAck)")
+	}
+	if have.MaxMsgSize > 0 && int64(have.MaxMsgSize) < maxPayload {
+		bad = append(bad, fmt.Sprintf("max_msg_size %d (want -1 or at least the server's max_payload %d: "+
+			"the relay sizes events to the server's limit)", have.MaxMsgSize, maxPayload))
+	}
 	if len(bad) == 0 {
 		return nil
 	}
 	return errors.New(strings.Join(bad, ", "))
 }
 
-// slotInfo is the slot's row in pg_replication_slots.
+// slotInfo is the slot's row in pg_replication_slots and Baton's record of it.
 type slotInfo struct {
-	exists    bool
-	plugin    string
-	database  string
-	walStatus string
-	confirmed string
-	backfill  bool // the relay recorded a finished backfill for it
+	exists       bool
+	plugin       string
+	database     string
+	ours         bool // database is the one connected to: current_database(), which a URL may leave unnamed
+	walStatus    string
+	confirmed    string
+	recorded     bool // baton_relay_slots has a row for it: a relay created it
+	backfillDone bool // and that relay finished its first-start backfill
 }
 
 func readSlot(ctx context.Context, conn *pgx.Conn, cfg *Config) (slotInfo, error) {
 	var s slotInfo
-	err := conn.QueryRow(ctx, `SELECT coalesce(plugin, ''), coalesce(database, ''), coalesce(wal_status, ''),
-			coalesce(confirmed_flush_lsn::text, '')
-		FROM pg_replication_slots WHERE slot_name = $1`, cfg.Slot).Scan(&s.plugin, &s.database, &s.walStatus, &s.confirmed)
+	err := conn.QueryRow(ctx, `SELECT coalesce(plugin, ''), coalesce(database, ''), database IS NOT DISTINCT FROM current_database(),
+			coalesce(wal_status, ''), coalesce(confirmed_flush_lsn::text, '')
+		FROM pg_replication_slots WHERE slot_name = $1`, cfg.Slot).Scan(&s.plugin, &s.database, &s.ours, &s.walStatus, &s.confirmed)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 	case err != nil:
@@ -155,11 +168,69 @@ func readSlot(ctx context.Context, conn *pgx.Conn, cfg *Config) (slotInfo, error
 	default:
 		s.exists = true
 	}
-	err = conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM baton_relay_slots WHERE slot_name = $1)`, cfg.Slot).Scan(&s.backfill)
-	if err != nil {
-		return s, fmt.Errorf("read baton_relay_slots (run `baton migrate`): %w", err)
+	err = conn.QueryRow(ctx, `SELECT backfill_done FROM baton_relay_slots WHERE slot_name = $1`, cfg.Slot).Scan(&s.backfillDone)
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+	case errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42703"): // undefined table or column
+		return s, fmt.Errorf("%w: read baton_relay_slots: %w; the schema is behind this relay: run `baton migrate`", ErrSetup, err)
+	case err != nil:
+		return s, fmt.Errorf("read baton_relay_slots: %w", err)
+	default:
+		s.recorded = true
 	}
 	return s, nil
+}
+
+// slotAction is what a session does with the slot it found.
+type slotAction int
+
+const (
+	slotStream   slotAction = iota // stream from it
+	slotCreate                     // create it and backfill
+	slotRecreate                   // drop it, then create it and backfill
+)
+
+// decideSlot applies the slot rules to what readSlot found:
+//   - No slot: create one, with the first-start backfill.
+//   - A lost slot (wal_status "lost") ends the relay with ErrSlotLost: its WAL is gone.
+//   - A slot of another database is never touched (ErrSetup).
+//   - Baton's slot (a baton_relay_slots row, plugin pgoutput) whose backfill finished: stream.
+//   - Baton's slot whose backfill did not finish, left by a relay that died during its first
+//     start: recreate it. Nothing was streamed from it, so a new slot and a new backfill skip
+//     nothing; the row is written before the slot is created, so a kill at any point of the
+//     first start leaves a slot that is recognised as Baton's.
+//   - Any other slot (no row, or another plugin) belongs to someone else, an operator or
+//     another tool: refused with ErrSetup and left as it is, unless recreate allows dropping it.
+func decideSlot(s slotInfo, name string, recreate bool) (slotAction, error) {
+	if !s.exists {
+		return slotCreate, nil
+	}
+	if s.walStatus == "lost" {
+		return 0, fmt.Errorf("%w: slot %s has wal_status lost: drop it with SELECT pg_drop_replication_slot('%s') "+
+			"and restart the relay to recreate it and backfill unfinished rows", ErrSlotLost, name, name)
+	}
+	if !s.ours {
+		return 0, fmt.Errorf("%w: slot %s belongs to database %q, not to this one; set another slot name (BATON_SLOT)",
+			ErrSetup, name, s.database)
+	}
+	if s.recorded && s.plugin == "pgoutput" {
+		if s.backfillDone {
+			return slotStream, nil
+		}
+		return slotRecreate, nil
+	}
+	if recreate {
+		return slotRecreate, nil
+	}
+	why := "it has no row in baton_relay_slots"
+	if s.plugin != "pgoutput" {
+		why = fmt.Sprintf("it uses plugin %q", s.plugin)
+	}
+	return 0, fmt.Errorf("%w: slot %s exists but Baton did not create it (%s); the relay leaves it alone. "+
+		"Set another slot name (BATON_SLOT), drop it (SELECT pg_drop_replication_slot('%s')), or start the relay with "+
+		"--recreate-slot (Config.RecreateSlot) to drop it and create Baton's, with a first-start backfill",
+		ErrSetup, name, why, name)
 }
 
 // retryIn waits d or until ctx ends.

@@ -26,6 +26,8 @@ acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
 	dupWindow := fs.Duration("dup-window", 2*time.Minute, "JetStream duplicate window for the streams it creates")
 	maxInFlight := fs.Int("max-in-flight", 8192, "events published or queued without a PubAck, at most")
 	drain := fs.Duration("drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for PubAcks")
+	recreateSlot := fs.Bool("recreate-slot", false, "drop a slot of that name that Baton did not create (an operator's or another tool's)\n"+
+		"and create Baton's in its place, with a first-start backfill; without it such a slot is refused")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
 		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvMetricsAddr)
 	if err != nil {
@@ -52,6 +54,7 @@ acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
 		Streams:       relay.StreamSettings{Duplicates: *dupWindow},
 		MaxInFlight:   *maxInFlight,
 		DrainTimeout:  *drain,
+		RecreateSlot:  *recreateSlot,
 		Logger:        log,
 		Registerer:    reg,
 	})

@@ -17,12 +17,12 @@ import (
 	"log/slog"
 	"net"
 	"net/url"
-	"regexp"
 	"strconv"
 	"strings"
 
 	"github.com/caarlos0/env/v11"
 
+	"github.com/batonhq/baton/internal/pgname"
 	"github.com/batonhq/baton/internal/subject"
 )
 
@@ -176,11 +176,6 @@ func (c Config) Source(envName string) string {
 	return envName
 }
 
-var (
-	slotPattern        = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
-	publicationPattern = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
-)
-
 // Validate checks every value that is set and returns all problems found, each naming its
 // variable (or the flag that set it). An empty DatabaseURL, NATSURL or MetricsAddr is
 // valid: see Require.
@@ -202,11 +197,11 @@ func (c Config) Validate() error {
 	if err := subject.ValidatePrefix(c.SubjectPrefix); err != nil {
 		bad(EnvSubjectPrefix, "must be dot-separated tokens of [A-Za-z0-9_-], no wildcards (got %q)", c.SubjectPrefix)
 	}
-	if !slotPattern.MatchString(c.Slot) {
-		bad(EnvSlot, "must match %s (got %q)", slotPattern, c.Slot)
+	if err := pgname.Slot(c.Slot); err != nil {
+		bad(EnvSlot, "%v", err)
 	}
-	if !publicationPattern.MatchString(c.Publication) {
-		bad(EnvPublication, "must match %s (got %q)", publicationPattern, c.Publication)
+	if err := pgname.Publication(c.Publication); err != nil {
+		bad(EnvPublication, "%v", err)
 	}
 	if c.MetricsAddr != "" {
 		if err := checkListenAddr(c.MetricsAddr); err != nil {
