@@ -58,7 +58,8 @@ func DeadLetterMsgID(lsn pglogrepl.LSN) string { return "deadletter:" + lsn.Stri
 
 // deadLetterMsg builds the dead-letter record of the change at lsn, on
 // <prefix>.deadletter.<kind>, no larger than maxPayload (0: no limit): Raw is cut to
-// MaxDeadLetterRaw bytes, and further until the record fits.
+// MaxDeadLetterRaw bytes, and further until the record fits; under an absurdly small max
+// payload the reason is cut too.
 func deadLetterMsg(prefix, kind, table, reason string, lsn pglogrepl.LSN, raw []byte, maxPayload int) *nats.Msg {
 	if len(reason) > maxDeadLetterReason {
 		reason = reason[:maxDeadLetterReason] + "…"
@@ -73,12 +74,15 @@ func deadLetterMsg(prefix, kind, table, reason string, lsn pglogrepl.LSN, raw []
 			panic(fmt.Sprintf("marshal dead-letter record: %v", err))
 		}
 		size := msgSize(m.Header, body)
-		if maxPayload <= 0 || size <= maxPayload || len(rec.Raw) == 0 {
+		if maxPayload <= 0 || size <= maxPayload || len(rec.Raw) == 0 && rec.Reason == "" {
 			m.Data = body
 			return m
 		}
-		// base64 takes 4 bytes per 3: cut what is over, with some slack.
-		over := (size-maxPayload)*3/4 + 3
-		rec.Raw = rec.Raw[:max(0, len(rec.Raw)-over)]
+		if len(rec.Raw) > 0 {
+			// base64 takes 4 bytes per 3: cut what is over, with some slack.
+			rec.Raw = rec.Raw[:max(0, len(rec.Raw)-((size-maxPayload)*3/4+3))]
+		} else { // a max payload of a few hundred bytes: the reason goes too (it is logged)
+			rec.Reason = rec.Reason[:max(0, len(rec.Reason)-(size-maxPayload))]
+		}
 	}
 }
