@@ -38,6 +38,13 @@ type Config struct {
 	// case with dots as underscores, plus "_TURNS" / "_OUTCOMES" ("AGENT_TURNS").
 	TurnsStream    string
 	OutcomesStream string
+	// DeadLetterStream names the stream of changes the relay set aside because no retry could
+	// publish them (subjects <prefix>.deadletter.<kind>, see DeadLetter). Default: the prefix in
+	// upper case with dots as underscores, plus "_DEADLETTER" ("AGENT_DEADLETTER").
+	DeadLetterStream string
+	// DeadLetterMaxAge drops dead-letter records older than this. Default 30 days
+	// (DefaultDeadLetterMaxAge): long enough to notice and inspect them.
+	DeadLetterMaxAge time.Duration
 	// Streams configures the streams the relay creates or verifies.
 	Streams StreamSettings
 
@@ -87,6 +94,9 @@ type StreamSettings struct {
 	Replicas int
 }
 
+// DefaultDeadLetterMaxAge is the default of Config.DeadLetterMaxAge.
+const DefaultDeadLetterMaxAge = 30 * 24 * time.Hour
+
 // ErrConfig wraps every configuration error.
 var ErrConfig = errors.New("relay config")
 
@@ -117,6 +127,10 @@ func (c *Config) fill() error {
 	}
 	def(&c.TurnsStream, StreamName(c.SubjectPrefix, subject.KindTurns))
 	def(&c.OutcomesStream, StreamName(c.SubjectPrefix, subject.KindOutcomes))
+	def(&c.DeadLetterStream, StreamName(c.SubjectPrefix, subject.KindDeadLetter))
+	if c.DeadLetterMaxAge <= 0 {
+		c.DeadLetterMaxAge = DefaultDeadLetterMaxAge
+	}
 	if c.Streams.Duplicates == 0 {
 		c.Streams.Duplicates = 2 * time.Minute
 	}

@@ -38,10 +38,23 @@ type item struct {
 	msg        *nats.Msg
 	outcome    bool // the event is an outcome, not a turn
 	omitted    bool // an outcome published without its content
+	// deadLetter is, for the dead-letter record of a change set aside, its kind
+	// (DeadLetterAnswers, DeadLetterTurn, DeadLetterOutcome); msg is the record and reason
+	// says why, for the log.
+	deadLetter string
+	reason     string
 }
 
 // decoder turns pgoutput messages (protocol version 1) into items. It is pure: no I/O. No
 // input makes it panic: a message it cannot read is an error (FuzzDecode).
+//
+// No poison loop: a change that is well-formed pgoutput but cannot become an event for a
+// reason no retry can fix (an AnswersPrefix message that is not the expected JSON, a row value
+// that cannot be parsed, an event that cannot fit the server's max payload) becomes the item
+// of its dead-letter record instead (item.deadLetter), published in its place like any event:
+// the transaction is confirmed only once the record has its PubAck, and every other change of
+// it is published as usual. Errors are left for what is not pgoutput as Postgres writes it
+// (truncated messages, an insert before its relation): no role can write those.
 //
 // Relation messages may repeat within one stream; the cache is keyed by relation OID and
 // entries are replaced.
@@ -55,6 +68,9 @@ type decoder struct {
 	// transaction (see AnswersPrefix).
 	answers map[string][]int64
 	cols    []tupleColumn // reused by every insert
+
+	at  pglogrepl.LSN // the WAL position of the message being decoded (decodeAt)
+	raw []byte        // the message being decoded
 }
 
 // tupleColumn is one column of a pgoutput tuple: kind 'n' (null), 'u' (unchanged TOAST),
@@ -194,7 +210,25 @@ func newDecoder(schema, prefix string, maxPayload int) *decoder {
 	}
 }
 
+// decodeAt decodes walData, the pgoutput message at WAL position at (its XLogData's
+// WALStart), which names the dead-letter record of a change set aside.
+func (d *decoder) decodeAt(at pglogrepl.LSN, walData []byte) (item, error) {
+	d.at = at
+	return d.decode(walData)
+}
+
+// deadLetter returns the item of the dead-letter record of the message being decoded.
+func (d *decoder) deadLetter(kind, table, reason string, raw []byte) item {
+	return item{
+		kind:       itemEvent,
+		msg:        deadLetterMsg(d.prefix, kind, table, reason, d.at, raw, d.maxPayload),
+		deadLetter: kind,
+		reason:     reason,
+	}
+}
+
 func (d *decoder) decode(walData []byte) (item, error) {
+	d.raw = walData
 	if len(walData) > 0 && walData[0] == 'I' {
 		// Inserts are most of the stream: decoded in place, without pglogrepl's allocation
 		// and copy per column.
@@ -229,12 +263,11 @@ func (d *decoder) decode(walData []byte) (item, error) {
 		return item{kind: itemCommit, lsn: m.TransactionEndLSN, commitTime: m.CommitTime}, nil
 	case *pglogrepl.LogicalDecodingMessage:
 		if m.Transactional && m.Prefix == AnswersPrefix {
-			var a struct {
-				MessageID string  `json:"message_id"`
-				OutboxIDs []int64 `json:"outbox_ids"`
-			}
-			if err := json.Unmarshal(m.Content, &a); err != nil {
-				return item{}, fmt.Errorf("decode %s message at %s: %w", AnswersPrefix, m.LSN, err)
+			// Any role can emit this message: a malformed one only loses the optional ids it
+			// would have added, and is set aside.
+			a, err := parseAnswers(m.Content)
+			if err != nil {
+				return d.deadLetter(DeadLetterAnswers, "", err.Error(), m.Content), nil
 			}
 			if d.answers == nil {
 				d.answers = map[string][]int64{}
@@ -243,6 +276,25 @@ func (d *decoder) decode(walData []byte) (item, error) {
 		}
 	}
 	return item{}, nil
+}
+
+// answers is the content of an AnswersPrefix message.
+type answers struct {
+	MessageID string  `json:"message_id"`
+	OutboxIDs []int64 `json:"outbox_ids"`
+}
+
+// parseAnswers parses the content of an AnswersPrefix message: a JSON object with a non-empty
+// message_id and an array of outbox ids.
+func parseAnswers(content []byte) (answers, error) {
+	var a answers
+	if err := json.Unmarshal(content, &a); err != nil {
+		return answers{}, fmt.Errorf("%s message is not the expected JSON object: %w", AnswersPrefix, err)
+	}
+	if a.MessageID == "" {
+		return answers{}, fmt.Errorf("%s message has no message_id", AnswersPrefix)
+	}
+	return a, nil
 }
 
 // relation is a cached relation message with the positions of the columns the relay reads,
@@ -289,6 +341,23 @@ func (d *decoder) insert(relID uint32, tuple []tupleColumn) (item, error) {
 	if rel.kind == "" {
 		return item{kind: itemIgnored}, nil
 	}
+	it, err := d.event(rel, tuple)
+	if err != nil {
+		// Everything event reports is a property of the change itself, which a replay
+		// delivers unchanged: set it aside.
+		kind := DeadLetterTurn
+		if rel.kind == tableMessages {
+			kind = DeadLetterOutcome
+		}
+		return d.deadLetter(kind, rel.msg.Namespace+"."+rel.msg.RelationName, err.Error(), d.raw), nil
+	}
+	return it, nil
+}
+
+// event makes the event of an insert into agent_outbox or messages. Its errors are the
+// change's: a missing column, a value that cannot be parsed, a conversation id no subject can
+// carry, an event that cannot fit the max payload.
+func (d *decoder) event(rel *relation, tuple []tupleColumn) (item, error) {
 	if len(tuple) != len(rel.msg.Columns) {
 		return item{}, fmt.Errorf("%s.%s: tuple has %d columns, relation %d",
 			rel.msg.Namespace, rel.msg.RelationName, len(tuple), len(rel.msg.Columns))
@@ -326,6 +395,9 @@ func (d *decoder) insert(relID uint32, tuple []tupleColumn) (item, error) {
 		if err != nil {
 			return item{}, err
 		}
+		if err := checkTurnSize(msg, row, d.maxPayload); err != nil {
+			return item{}, err
+		}
 		return item{kind: itemEvent, msg: msg}, nil
 	default: // tableMessages
 		var ev OutcomeEvent
@@ -352,6 +424,20 @@ func (d *decoder) insert(relID uint32, tuple []tupleColumn) (item, error) {
 		}
 		return item{kind: itemEvent, msg: msg, outcome: true, omitted: msg.Header.Get(HeaderContentOmitted) != ""}, nil
 	}
+}
+
+// checkTurnSize returns an error when the turn event msg of row does not fit maxPayload (0:
+// no limit). Ids are unbounded text: a message id of a megabyte would be refused by the server
+// on every retry. Measured only when the ids are long enough to matter (this runs per row).
+func checkTurnSize(msg *nats.Msg, row TurnEvent, maxPayload int) error {
+	// Escaped JSON takes at most 6 bytes per byte of an id, a header value 4/3 of it.
+	if maxPayload <= 0 || 1024+8*(len(row.ConversationID)+len(row.MessageID)) <= maxPayload {
+		return nil
+	}
+	if size := msgSize(msg.Header, msg.Data); size > maxPayload {
+		return fmt.Errorf("turn event for outbox %d is %d bytes, max payload %d", row.OutboxID, size, maxPayload)
+	}
+	return nil
 }
 
 // parseTimestamptz parses timestamptz in Postgres' text output (DateStyle ISO), whatever the

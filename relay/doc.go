@@ -14,6 +14,14 @@
 //   - Per-conversation order (pipeline.handle): an event is published only after every
 //     earlier event of its subject has a PubAck, and any publish error restarts the session
 //     from the confirmed LSN.
+//   - No poison loop (decoder, pipeline): a change no retry can publish (a malformed
+//     AnswersPrefix message, a value that cannot be parsed, an event that cannot fit the
+//     server's max payload) becomes a DeadLetter record on <prefix>.deadletter.<kind>, in the
+//     stream Config.DeadLetterStream, published in the change's place like any event: its
+//     transaction is confirmed only after the record's PubAck. The rest of the transaction
+//     is published; a skipped outbox row stays pending in Postgres for the workers' sweep.
+//     Each record is logged at ERROR and counted (baton_relay_deadletter_total{kind}).
+//     Retryable failures (NATS down, timeouts) skip nothing.
 //   - A quiet outbox holds no WAL: keepalive WAL ends are confirmed between transactions when
 //     nothing is in flight.
 //   - First start migrates a polling backlog: the slot's exported snapshot is used to

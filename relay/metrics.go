@@ -7,6 +7,7 @@ type metrics struct {
 	events                             *prometheus.CounterVec // kind: turn|outcome|ignored|backfill
 	turns, outcomes, backfill, ignored prometheus.Counter     // events' children, resolved once
 	omitted                            prometheus.Counter
+	deadLetter                         *prometheus.CounterVec // kind: answers|turn|outcome
 	publishLatency                     prometheus.Histogram
 	commitToAck                        prometheus.Histogram
 	confirmedLSN                       prometheus.Gauge
@@ -27,6 +28,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		omitted: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "baton_relay_content_omitted_total", Help: "Outcome events published without content because it exceeded the max payload.",
 		}),
+		deadLetter: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_relay_deadletter_total",
+			Help: "Changes no retry could publish, set aside in the dead-letter stream (acknowledged there), by kind.",
+		}, []string{"kind"}),
 		publishLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "baton_relay_publish_seconds", Help: "Time from publish to PubAck.", Buckets: latency,
 		}),
@@ -60,7 +65,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	m.backfill = m.events.WithLabelValues("backfill")
 	m.ignored = m.events.WithLabelValues("ignored")
 	if reg != nil {
-		reg.MustRegister(m.events, m.omitted, m.publishLatency, m.commitToAck, m.confirmedLSN,
+		reg.MustRegister(m.events, m.omitted, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
 			m.slotLagBytes, m.inFlight, m.active, m.reconnects, m.errors, m.slotLost)
 	}
 	return m

@@ -33,6 +33,10 @@ import (
 //     confirmed only when it arrives outside a transaction with nothing before it unacknowledged.
 //   - Events of a transaction are published as they arrive, before its commit: the transaction
 //     is confirmed only after its commit, and a replay republishes them under the same ids.
+//   - A dead-letter record (a change no retry can publish, set aside by the decoder) is an
+//     event like the others: its transaction is confirmed only after the record's PubAck, so
+//     a change is never skipped without its record in the dead-letter stream. A failure to
+//     publish the record is retried like any other.
 //   - Once the pipeline failed or stopped, nothing more is published or confirmed.
 type pipeline struct {
 	pub        *publisher                           // nil in tests
@@ -77,7 +81,9 @@ type pendingEvent struct {
 	tx      *txEntry
 	outcome bool
 	omitted bool
-	sentAt  time.Time
+	// deadLetter is the kind of change whose dead-letter record this is, "" for an event.
+	deadLetter string
+	sentAt     time.Time
 }
 
 type txEntry struct {
@@ -303,7 +309,7 @@ func (p *pipeline) handle(it item) error {
 			return errors.New("event outside a transaction")
 		}
 		tx.pending++
-		ev := &pendingEvent{msg: it.msg, tx: tx, outcome: it.outcome, omitted: it.omitted}
+		ev := &pendingEvent{msg: it.msg, tx: tx, outcome: it.outcome, omitted: it.omitted, deadLetter: it.deadLetter}
 		if q, busy := p.subjects[it.msg.Subject]; busy {
 			p.subjects[it.msg.Subject] = append(q, ev)
 			p.queued++
@@ -347,6 +353,8 @@ func (p *pipeline) ack(a ackResult) error {
 	now := time.Now()
 	p.m.publishLatency.Observe(now.Sub(ev.sentAt).Seconds())
 	switch {
+	case ev.deadLetter != "":
+		p.m.deadLetter.WithLabelValues(ev.deadLetter).Inc()
 	case ev.tx.commitTime.IsZero():
 		p.m.backfill.Inc()
 	case ev.outcome:

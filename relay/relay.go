@@ -516,13 +516,17 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 				if err != nil {
 					return fmt.Errorf("parse xlogdata: %w", err)
 				}
-				it, err := dec.decode(xld.WALData)
+				it, err := dec.decodeAt(xld.WALStart, xld.WALData)
 				if err != nil {
 					r.m.errors.WithLabelValues("decode").Inc()
 					return fmt.Errorf("decode at %s: %w", xld.WALStart, err)
 				}
 				if it.kind == itemNone {
 					continue
+				}
+				if it.deadLetter != "" {
+					cfg.Logger.Error("change cannot be published; setting it aside in the dead-letter stream",
+						"lsn", xld.WALStart, "kind", it.deadLetter, "subject", it.msg.Subject, "reason", it.reason)
 				}
 				if err := put(it); err != nil {
 					return stoppedIsNil(err)

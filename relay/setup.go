@@ -69,21 +69,26 @@ func checkDatabase(ctx context.Context, conn *pgx.Conn, cfg *Config) error {
 	return nil
 }
 
-// ensureStreams creates the turns and outcomes streams or checks the existing ones.
+// ensureStreams creates the turns, outcomes and dead-letter streams or checks the existing ones.
 func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) error {
-	for _, s := range []struct{ name, kind string }{
-		{cfg.TurnsStream, subject.KindTurns},
-		{cfg.OutcomesStream, subject.KindOutcomes},
+	for _, s := range []struct {
+		name, kind, desc string
+		maxAge           time.Duration
+	}{
+		{cfg.TurnsStream, subject.KindTurns, "Baton turns events relayed from Postgres", cfg.Streams.MaxAge},
+		{cfg.OutcomesStream, subject.KindOutcomes, "Baton outcomes events relayed from Postgres", cfg.Streams.MaxAge},
+		// Limits retention like the others; records age out after DeadLetterMaxAge.
+		{cfg.DeadLetterStream, subject.KindDeadLetter, "Baton relay: changes set aside because no retry could publish them", cfg.DeadLetterMaxAge},
 	} {
 		want := jetstream.StreamConfig{
 			Name:        s.name,
-			Description: "Baton " + s.kind + " events relayed from Postgres",
+			Description: s.desc,
 			Subjects:    []string{subject.StreamFilter(cfg.SubjectPrefix, s.kind)},
 			Storage:     jetstream.FileStorage,
 			Retention:   jetstream.LimitsPolicy,
 			Discard:     jetstream.DiscardOld,
 			Duplicates:  cfg.Streams.Duplicates,
-			MaxAge:      cfg.Streams.MaxAge,
+			MaxAge:      s.maxAge,
 			MaxBytes:    cfg.Streams.MaxBytes,
 			MaxMsgs:     -1,
 			Replicas:    cfg.Streams.Replicas,

@@ -42,6 +42,10 @@ const (
 	// KindOutcomes is the kind of subjects carrying outcome events (replies
 	// and visible errors).
 	KindOutcomes = "outcomes"
+	// KindDeadLetter is the kind of the relay's dead-letter subjects,
+	// <prefix>.deadletter.<what>, where <what> names the kind of change set aside
+	// (answers, turn, outcome). They carry no conversation id: Parse rejects them.
+	KindDeadLetter = "deadletter"
 )
 
 // MaxIDLen is the maximum length of a conversation id, in bytes.
@@ -232,8 +236,8 @@ func Parse(prefix, subject string) (kind string, conversationID string, err erro
 
 // StreamFilter returns the subject filter matching every subject of kind
 // under prefix: <prefix>.<kind>.>. It does not validate its arguments;
-// callers pass a prefix accepted by [ValidatePrefix] and [KindTurns] or
-// [KindOutcomes].
+// callers pass a prefix accepted by [ValidatePrefix] and [KindTurns],
+// [KindOutcomes] or [KindDeadLetter].
 func StreamFilter(prefix, kind string) string {
 	return prefix + "." + kind + ".>"
 }

@@ -1,0 +1,88 @@
+package relay
+
+import (
+	"encoding/json"
+	"fmt"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/nats-io/nats.go"
+
+	"github.com/batonhq/baton/internal/subject"
+)
+
+// Kinds of change the relay sets aside, the last token of their dead-letter subject
+// <prefix>.deadletter.<kind>.
+const (
+	// DeadLetterAnswers is a transactional AnswersPrefix message that is not the JSON object
+	// the relay expects. Any role can emit one. The outcome of its transaction is published
+	// without the answered ids it would have added.
+	DeadLetterAnswers = "answers"
+	// DeadLetterTurn is an agent_outbox insert that cannot become a turn event (a value that
+	// cannot be parsed, an event larger than the server's max payload). The row stays in
+	// Postgres with its status: the workers' sweep of pending rows still finds it.
+	DeadLetterTurn = "turn"
+	// DeadLetterOutcome is a messages insert that cannot become an outcome event (a value that
+	// cannot be parsed, an event that does not fit the max payload even without its content).
+	DeadLetterOutcome = "outcome"
+)
+
+// MaxDeadLetterRaw is the most bytes of a change a dead-letter record carries in Raw (fewer
+// when the server's max payload requires it); RawBytes gives the full size.
+const MaxDeadLetterRaw = 64 << 10
+
+// maxDeadLetterReason caps the reason text: it may quote a value of the change.
+const maxDeadLetterReason = 1024
+
+// DeadLetter is the JSON body of a record in the dead-letter stream: one change of the
+// replication stream that no retry could publish, which the relay set aside and skipped.
+type DeadLetter struct {
+	// LSN is the change's position in the WAL ("16/B374D848").
+	LSN string `json:"lsn"`
+	// Kind is DeadLetterAnswers, DeadLetterTurn or DeadLetterOutcome.
+	Kind string `json:"kind"`
+	// Table is the change's table as schema.name, "" for a logical decoding message.
+	Table string `json:"table"`
+	// Reason says why the change could not be published.
+	Reason string `json:"reason"`
+	// Raw is the change as the relay received it: the message content of a logical decoding
+	// message, the pgoutput insert message (protocol version 1) of a row. At most
+	// MaxDeadLetterRaw bytes; base64 in JSON.
+	Raw []byte `json:"raw"`
+	// RawBytes is the full size of the change, which Raw may cut.
+	RawBytes int `json:"raw_bytes"`
+}
+
+// DeadLetterMsgID is the Nats-Msg-Id of the dead-letter record of the change at lsn: a replay
+// of the change is deduplicated like any event.
+func DeadLetterMsgID(lsn pglogrepl.LSN) string { return "deadletter:" + lsn.String() }
+
+// deadLetterMsg builds the dead-letter record of the change at lsn, on
+// <prefix>.deadletter.<kind>, no larger than maxPayload (0: no limit): Raw is cut to
+// MaxDeadLetterRaw bytes, and further until the record fits; under an absurdly small max
+// payload the reason is cut too.
+func deadLetterMsg(prefix, kind, table, reason string, lsn pglogrepl.LSN, raw []byte, maxPayload int) *nats.Msg {
+	if len(reason) > maxDeadLetterReason {
+		reason = reason[:maxDeadLetterReason] + "…"
+	}
+	rec := DeadLetter{LSN: lsn.String(), Kind: kind, Table: table, Reason: reason, RawBytes: len(raw)}
+	rec.Raw = raw[:min(len(raw), MaxDeadLetterRaw)]
+	m := nats.NewMsg(prefix + "." + subject.KindDeadLetter + "." + kind)
+	m.Header.Set(nats.MsgIdHdr, DeadLetterMsgID(lsn))
+	for {
+		body, err := json.Marshal(rec)
+		if err != nil { // a struct of strings, ints and bytes: cannot happen
+			panic(fmt.Sprintf("marshal dead-letter record: %v", err))
+		}
+		size := msgSize(m.Header, body)
+		if maxPayload <= 0 || size <= maxPayload || len(rec.Raw) == 0 && rec.Reason == "" {
+			m.Data = body
+			return m
+		}
+		if len(rec.Raw) > 0 {
+			// base64 takes 4 bytes per 3: cut what is over, with some slack.
+			rec.Raw = rec.Raw[:max(0, len(rec.Raw)-((size-maxPayload)*3/4+3))]
+		} else { // a max payload of a few hundred bytes: the reason goes too (it is logged)
+			rec.Reason = rec.Reason[:max(0, len(rec.Reason)-(size-maxPayload))]
+		}
+	}
+}
