@@ -51,6 +51,10 @@ type Config struct {
 	StatusInterval time.Duration
 	// StandbyPoll is how often a standby relay checks whether the slot became free. Default 1s.
 	StandbyPoll time.Duration
+	// SetupTimeout bounds each connection attempt to Postgres and each setup step of a session
+	// (checks, the lock query, reading the slot, START_REPLICATION). The first-start backfill is
+	// not bounded by it. Default 10s.
+	SetupTimeout time.Duration
 	// MinBackoff and MaxBackoff bound the jittered, exponential wait between reconnects.
 	// Defaults 100ms and 10s.
 	MinBackoff, MaxBackoff time.Duration
@@ -134,6 +138,7 @@ func (c *Config) fill() error {
 	defDur(&c.AckTimeout, 10*time.Second)
 	defDur(&c.StatusInterval, time.Second)
 	defDur(&c.StandbyPoll, time.Second)
+	defDur(&c.SetupTimeout, 10*time.Second)
 	defDur(&c.MinBackoff, 100*time.Millisecond)
 	defDur(&c.MaxBackoff, 10*time.Second)
 	defDur(&c.DrainTimeout, 10*time.Second)
