@@ -87,6 +87,7 @@ func (r *Relay) session(ctx context.Context) error {
 		return fmt.Errorf("%w: parse database url: %w", ErrSetup, err)
 	}
 	pinSession(connCfg.RuntimeParams)
+	setKeepalives(connCfg.RuntimeParams)
 	if connCfg.ConnectTimeout == 0 { // connect_timeout in the URL wins
 		connCfg.ConnectTimeout = cfg.SetupTimeout
 	}
@@ -101,7 +102,9 @@ func (r *Relay) session(ctx context.Context) error {
 	}
 
 	// One active relay per slot: the holder of this session-level advisory lock. It is
-	// released when the holder's connection ends, however the holder died.
+	// released when the holder's connection ends, however the holder died; a holder whose
+	// host vanished is broken by the standby (staleLock).
+	stale := staleLock{after: cfg.StaleLockAfter}
 	for standby := false; ; standby = true {
 		var got bool
 		if err := r.bounded(ctx, func(ctx context.Context) error {
@@ -117,6 +120,28 @@ func (r *Relay) session(ctx context.Context) error {
 			log.Info("another relay is active; standing by", "slot", cfg.Slot)
 		}
 		r.healthy.Store(true)
+		var holder lockHolder
+		if err := r.bounded(ctx, func(ctx context.Context) (err error) {
+			holder, err = readLockHolder(ctx, conn, cfg.Slot)
+			return err
+		}); err != nil {
+			return err
+		}
+		if now := time.Now(); stale.observe(now, holder) {
+			log.Warn("the active relay's session sits idle holding the relay lock and the slot has not streamed; terminating it to take over",
+				"slot", cfg.Slot, "pid", holder.pid, "for", stale.since(now).Round(time.Millisecond), "stale_lock_after", cfg.StaleLockAfter)
+			var exited bool
+			if err := r.bounded(ctx, func(ctx context.Context) (err error) {
+				exited, err = terminateHolder(ctx, conn, holder.pid)
+				return err
+			}); err != nil {
+				return err
+			}
+			stale = staleLock{after: cfg.StaleLockAfter}
+			if exited {
+				continue // take the lock now
+			}
+		}
 		if err := retryIn(ctx, cfg.StandbyPoll); err != nil {
 			return err
 		}
@@ -161,6 +186,32 @@ var sessionParams = map[string]string{
 	"intervalstyle":      "postgres",
 	"extra_float_digits": "3",
 	"timezone":           "UTC",
+}
+
+// keepaliveParams are sent as startup parameters on every connection the relay opens, unless
+// the database URL sets them. They make the server notice a relay host that vanished without
+// closing its sockets in about tcp_keepalives_idle + interval × count (25s) instead of the
+// kernel's default of over two hours, and give up on unacknowledged writes to it after
+// tcp_user_timeout (ms). Until it notices, that host's backends keep the relay lock: see
+// StaleLockAfter for what a standby does then. The server ignores them on Unix sockets.
+var keepaliveParams = map[string]string{
+	"tcp_keepalives_idle":     "10",
+	"tcp_keepalives_interval": "5",
+	"tcp_keepalives_count":    "3",
+	"tcp_user_timeout":        "30000",
+}
+
+// setKeepalives sets keepaliveParams in params where the database URL did not set them.
+func setKeepalives(params map[string]string) {
+	set := map[string]bool{}
+	for k := range params {
+		set[strings.ToLower(k)] = true
+	}
+	for k, v := range keepaliveParams {
+		if !set[k] {
+			params[k] = v
+		}
+	}
 }
 
 // bounded runs a setup step (a query, START_REPLICATION) with a deadline of SetupTimeout, so
