@@ -58,6 +58,18 @@ type Config struct {
 	StatusInterval time.Duration
 	// StandbyPoll is how often a standby relay checks whether the slot became free. Default 1s.
 	StandbyPoll time.Duration
+	// StaleLockAfter is how long a standby lets the slot stay inactive (no walsender streams
+	// from it, or its walsender's backend is gone) while another session holds the relay lock
+	// and sits idle, before it decides that holder is stale (its host vanished without closing
+	// its sockets, or a middlebox keeps them open), terminates that backend with
+	// pg_terminate_backend and takes over. The active relay's walsender ends wal_sender_timeout
+	// after its relay went silent, so a takeover takes about wal_sender_timeout + StaleLockAfter.
+	// Default 10s.
+	StaleLockAfter time.Duration
+	// SetupTimeout bounds each connection attempt to Postgres and each setup step of a session
+	// (checks, the lock query, reading the slot, START_REPLICATION). The first-start backfill is
+	// not bounded by it. Default 10s.
+	SetupTimeout time.Duration
 	// MinBackoff and MaxBackoff bound the jittered, exponential wait between reconnects.
 	// Defaults 100ms and 10s.
 	MinBackoff, MaxBackoff time.Duration
@@ -148,6 +160,8 @@ func (c *Config) fill() error {
 	defDur(&c.AckTimeout, 10*time.Second)
 	defDur(&c.StatusInterval, time.Second)
 	defDur(&c.StandbyPoll, time.Second)
+	defDur(&c.StaleLockAfter, 10*time.Second)
+	defDur(&c.SetupTimeout, 10*time.Second)
 	defDur(&c.MinBackoff, 100*time.Millisecond)
 	defDur(&c.MaxBackoff, 10*time.Second)
 	defDur(&c.DrainTimeout, 10*time.Second)

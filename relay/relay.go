@@ -87,22 +87,30 @@ func (r *Relay) session(ctx context.Context) error {
 		return fmt.Errorf("%w: parse database url: %w", ErrSetup, err)
 	}
 	pinSession(connCfg.RuntimeParams)
+	setKeepalives(connCfg.RuntimeParams)
+	if connCfg.ConnectTimeout == 0 { // connect_timeout in the URL wins
+		connCfg.ConnectTimeout = cfg.SetupTimeout
+	}
 	conn, err := pgx.ConnectConfig(ctx, connCfg)
 	if err != nil {
 		r.m.errors.WithLabelValues("postgres").Inc()
 		return fmt.Errorf("connect to postgres: %w", err)
 	}
-	defer func() { _ = conn.Close(context.WithoutCancel(ctx)) }()
-	if err := checkDatabase(ctx, conn, cfg); err != nil {
+	defer func() { closeConn(ctx, conn.PgConn()) }()
+	if err := r.bounded(ctx, func(ctx context.Context) error { return checkDatabase(ctx, conn, cfg) }); err != nil {
 		return err
 	}
 
 	// One active relay per slot: the holder of this session-level advisory lock. It is
-	// released when the holder's connection ends, however the holder died.
+	// released when the holder's connection ends, however the holder died; a holder whose
+	// host vanished is broken by the standby (staleLock).
+	stale := staleLock{after: cfg.StaleLockAfter}
 	for standby := false; ; standby = true {
 		var got bool
-		if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock(hashtextextended('baton.relay.' || $1, 0))`,
-			cfg.Slot).Scan(&got); err != nil {
+		if err := r.bounded(ctx, func(ctx context.Context) error {
+			return conn.QueryRow(ctx, `SELECT pg_try_advisory_lock(hashtextextended('baton.relay.' || $1, 0))`,
+				cfg.Slot).Scan(&got)
+		}); err != nil {
 			return fmt.Errorf("take relay lock: %w", err)
 		}
 		if got {
@@ -112,6 +120,28 @@ func (r *Relay) session(ctx context.Context) error {
 			log.Info("another relay is active; standing by", "slot", cfg.Slot)
 		}
 		r.healthy.Store(true)
+		var holder lockHolder
+		if err := r.bounded(ctx, func(ctx context.Context) (err error) {
+			holder, err = readLockHolder(ctx, conn, cfg.Slot)
+			return err
+		}); err != nil {
+			return err
+		}
+		if now := time.Now(); stale.observe(now, holder) {
+			log.Warn("the active relay's session sits idle holding the relay lock and the slot has not streamed; terminating it to take over",
+				"slot", cfg.Slot, "pid", holder.pid, "for", stale.since(now).Round(time.Millisecond), "stale_lock_after", cfg.StaleLockAfter)
+			var exited bool
+			if err := r.bounded(ctx, func(ctx context.Context) (err error) {
+				exited, err = terminateHolder(ctx, conn, holder.pid)
+				return err
+			}); err != nil {
+				return err
+			}
+			stale = staleLock{after: cfg.StaleLockAfter}
+			if exited {
+				continue // take the lock now
+			}
+		}
 		if err := retryIn(ctx, cfg.StandbyPoll); err != nil {
 			return err
 		}
@@ -158,6 +188,51 @@ var sessionParams = map[string]string{
 	"timezone":           "UTC",
 }
 
+// keepaliveParams are sent as startup parameters on every connection the relay opens, unless
+// the database URL sets them. They make the server notice a relay host that vanished without
+// closing its sockets in about tcp_keepalives_idle + interval × count (25s) instead of the
+// kernel's default of over two hours, and give up on unacknowledged writes to it after
+// tcp_user_timeout (ms). Until it notices, that host's backends keep the relay lock: see
+// StaleLockAfter for what a standby does then. The server ignores them on Unix sockets.
+var keepaliveParams = map[string]string{
+	"tcp_keepalives_idle":     "10",
+	"tcp_keepalives_interval": "5",
+	"tcp_keepalives_count":    "3",
+	"tcp_user_timeout":        "30000",
+}
+
+// setKeepalives sets keepaliveParams in params where the database URL did not set them.
+func setKeepalives(params map[string]string) {
+	set := map[string]bool{}
+	for k := range params {
+		set[strings.ToLower(k)] = true
+	}
+	for k, v := range keepaliveParams {
+		if !set[k] {
+			params[k] = v
+		}
+	}
+}
+
+// bounded runs a setup step (a query, START_REPLICATION) with a deadline of SetupTimeout, so
+// that a path that drops packets fails the session instead of hanging it.
+func (r *Relay) bounded(ctx context.Context, step func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.SetupTimeout)
+	defer cancel()
+	return step(ctx)
+}
+
+// closeConn closes a connection, waiting at most closeTimeout for the goodbye to be written: on
+// a dead path the socket is closed anyway.
+func closeConn(ctx context.Context, c *pgconn.PgConn) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), closeTimeout)
+	defer cancel()
+	_ = c.Close(ctx)
+}
+
+// closeTimeout bounds how long closing a connection waits.
+const closeTimeout = 5 * time.Second
+
 // pinSession sets sessionParams in params, replacing what the database URL set.
 func pinSession(params map[string]string) {
 	for k := range params {
@@ -179,10 +254,13 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		r.m.errors.WithLabelValues("postgres").Inc()
 		return fmt.Errorf("replication connection: %w", err)
 	}
-	defer func() { _ = repl.Close(context.WithoutCancel(ctx)) }()
+	defer func() { closeConn(ctx, repl) }()
 
-	slot, err := readSlot(ctx, conn, cfg)
-	if err != nil {
+	var slot slotInfo
+	if err := r.bounded(ctx, func(ctx context.Context) (err error) {
+		slot, err = readSlot(ctx, conn, cfg)
+		return err
+	}); err != nil {
 		return err
 	}
 	action, err := decideSlot(slot, cfg.Slot, cfg.RecreateSlot)
@@ -220,10 +298,12 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		r.m.confirmedLSN.Set(float64(lsn))
 	}
 
-	err = pglogrepl.StartReplication(ctx, repl, cfg.Slot, 0, pglogrepl.StartReplicationOptions{
-		Mode: pglogrepl.LogicalReplication,
-		PluginArgs: []string{"proto_version '1'", "publication_names '" + cfg.Publication + "'",
-			"messages 'true'"},
+	err = r.bounded(ctx, func(ctx context.Context) error {
+		return pglogrepl.StartReplication(ctx, repl, cfg.Slot, 0, pglogrepl.StartReplicationOptions{
+			Mode: pglogrepl.LogicalReplication,
+			PluginArgs: []string{"proto_version '1'", "publication_names '" + cfg.Publication + "'",
+				"messages 'true'"},
+		})
 	})
 	if err != nil {
 		var pgErr *pgconn.PgError
@@ -355,6 +435,10 @@ func (r *Relay) backfillPage(ctx context.Context, tx pgx.Tx, after int64) ([]ite
 	return page, last, rows.Err()
 }
 
+// errSilent ends a session whose replication stream went silent: no CopyData arrived within
+// silenceBound of a status update that asked for a reply.
+var errSilent = errors.New("replication stream silent")
+
 // stoppedIsNil returns nil for errStopped: the reader stops because the pipeline did, whose
 // error is the session's.
 func stoppedIsNil(err error) error {
@@ -404,16 +488,21 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 	defer context.AfterFunc(ctx, wake)()
 	defer context.AfterFunc(gctx, wake)()
 
+	live := liveness{bound: silenceBound(cfg.StatusInterval)}
 	sendStatus := func() error {
 		lsn := pglogrepl.LSN(r.confirmed.Load())
 		// Write, flush and apply all set explicitly: pglogrepl copies the write position into
-		// zero fields, and the flush position is what the server treats as confirmed.
+		// zero fields, and the flush position is what the server treats as confirmed. Every
+		// update asks for a reply, the walsender's keepalive, which proves the stream alive.
+		now := time.Now()
 		err := pglogrepl.SendStandbyStatusUpdate(gctx, repl, pglogrepl.StandbyStatusUpdate{
-			WALWritePosition: lsn, WALFlushPosition: lsn, WALApplyPosition: lsn, ClientTime: time.Now(),
+			WALWritePosition: lsn, WALFlushPosition: lsn, WALApplyPosition: lsn, ClientTime: now,
+			ReplyRequested: true,
 		})
 		if err != nil {
 			return fmt.Errorf("send standby status at %s: %w", lsn, err)
 		}
+		live.requested(now)
 		return nil
 	}
 	nextStatus := time.Now()
@@ -484,6 +573,14 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 		raw, err := repl.ReceiveMessage(context.Background())
 		if err != nil {
 			if pgconn.Timeout(err) {
+				// Nothing to read. A dead path (a host or middlebox that drops packets and
+				// keeps the socket open) looks like this forever; an idle database does not,
+				// because the walsender answers every status update.
+				if dead, waited := live.dead(time.Now()); dead {
+					r.m.errors.WithLabelValues("liveness").Inc()
+					return fmt.Errorf("%w: no answer from the walsender for %s (bound %s); reconnecting",
+						errSilent, waited.Round(time.Millisecond), live.bound)
+				}
 				continue
 			}
 			r.m.errors.WithLabelValues("postgres").Inc()
@@ -491,6 +588,7 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 		}
 		switch msg := raw.(type) {
 		case *pgproto3.CopyData:
+			live.heard()
 			if len(msg.Data) == 0 {
 				continue
 			}

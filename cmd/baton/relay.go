@@ -28,6 +28,9 @@ acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
 	drain := fs.Duration("drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for PubAcks")
 	recreateSlot := fs.Bool("recreate-slot", false, "drop a slot of that name that Baton did not create (an operator's or another tool's)\n"+
 		"and create Baton's in its place, with a first-start backfill; without it such a slot is refused")
+	staleLock := fs.Duration("stale-lock-after", 10*time.Second, "as standby, take over once the active relay's session has sat idle holding the relay lock\n"+
+		"with nothing streaming from the slot for this long (its host vanished); takeover takes about\n"+
+		"wal_sender_timeout + this")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
 		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvMetricsAddr)
 	if err != nil {
@@ -46,17 +49,18 @@ acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
 
 	reg := opsserver.NewRegistry()
 	r, err := relay.New(relay.Config{
-		DatabaseURL:   cfg.DatabaseURL,
-		NATS:          nc,
-		SubjectPrefix: cfg.SubjectPrefix,
-		Slot:          cfg.Slot,
-		Publication:   cfg.Publication,
-		Streams:       relay.StreamSettings{Duplicates: *dupWindow},
-		MaxInFlight:   *maxInFlight,
-		DrainTimeout:  *drain,
-		RecreateSlot:  *recreateSlot,
-		Logger:        log,
-		Registerer:    reg,
+		DatabaseURL:    cfg.DatabaseURL,
+		NATS:           nc,
+		SubjectPrefix:  cfg.SubjectPrefix,
+		Slot:           cfg.Slot,
+		Publication:    cfg.Publication,
+		Streams:        relay.StreamSettings{Duplicates: *dupWindow},
+		MaxInFlight:    *maxInFlight,
+		DrainTimeout:   *drain,
+		RecreateSlot:   *recreateSlot,
+		StaleLockAfter: *staleLock,
+		Logger:         log,
+		Registerer:     reg,
 	})
 	if err != nil {
 		return err
