@@ -58,12 +58,7 @@ func TestOldReplyNeverLandsInARecreatedConversation(t *testing.T) {
 	for _, mode := range []string{"alone", "batch"} {
 		t.Run(mode, func(t *testing.T) {
 			ctx := context.Background()
-			db, s := storeFixture(t)
-			conversations(t, db, "a", "b")
-			send(t, db, "a", "a-m1")
-			send(t, db, "b", "b-m1")
-			ca := claimOne(t, s, "a", hostile2RunA)
-			cb := claimOne(t, s, "b", hostile2RunB)
+			db, s, ca, cb := claimedPair(t, hostile2RunA, hostile2RunB)
 			require.Len(t, ca.ids, 1)
 
 			reset := resetConversation(t, db, "a")

@@ -20,6 +20,16 @@ const (
 	hostileRunC = "00000000-0000-4000-8000-00000000cc01"
 )
 
+// claimedPair gives conversations a and b one message each, claimed by runA and runB.
+func claimedPair(t *testing.T, runA, runB string) (db *testsvc.Database, s *store, ca, cb claim) {
+	t.Helper()
+	db, s = storeFixture(t)
+	conversations(t, db, "a", "b")
+	send(t, db, "a", "a-m1")
+	send(t, db, "b", "b-m1")
+	return db, s, claimOne(t, s, "a", runA), claimOne(t, s, "b", runB)
+}
+
 // runWorker runs w until the test ends.
 func runWorker(t *testing.T, w *Worker) {
 	t.Helper()
@@ -146,12 +156,7 @@ func TestAttemptsAtTheIntegerMaximum(t *testing.T) {
 // second reply. The fence is per run now.
 func TestFenceHoldsWhenABatchMatesConversationIsRecreated(t *testing.T) {
 	ctx := context.Background()
-	db, s := storeFixture(t)
-	conversations(t, db, "a", "b")
-	send(t, db, "a", "a-m1")
-	send(t, db, "b", "b-m1")
-	ca := claimOne(t, s, "a", hostileRunA)
-	cb := claimOne(t, s, "b", hostileRunB)
+	db, s, ca, cb := claimedPair(t, hostileRunA, hostileRunB)
 	require.Len(t, ca.ids, 1)
 	require.Len(t, cb.ids, 1)
 	// b's run lost its lease: recovered and claimed again by run C, which is running.
@@ -202,12 +207,7 @@ func TestFenceHoldsWhenABatchMatesConversationIsRecreated(t *testing.T) {
 // run, and only the held conversation's run fails.
 func TestLockedConversationFailsOnlyItsOwnCommit(t *testing.T) {
 	ctx := context.Background()
-	db, s := storeFixture(t)
-	conversations(t, db, "a", "b")
-	send(t, db, "a", "a-m1")
-	send(t, db, "b", "b-m1")
-	ca := claimOne(t, s, "a", hostileRunA)
-	cb := claimOne(t, s, "b", hostileRunB)
+	db, s, ca, cb := claimedPair(t, hostileRunA, hostileRunB)
 
 	app, err := db.Pool.Begin(ctx)
 	require.NoError(t, err)
@@ -234,12 +234,7 @@ func TestLockedConversationFailsOnlyItsOwnCommit(t *testing.T) {
 // deleted (not recreated): that run reports the deletion, the other the lost lease.
 func TestFenceHoldsWhenAConversationIsDeleted(t *testing.T) {
 	ctx := context.Background()
-	db, s := storeFixture(t)
-	conversations(t, db, "a", "b")
-	send(t, db, "a", "a-m1")
-	send(t, db, "b", "b-m1")
-	ca := claimOne(t, s, "a", hostileRunA)
-	cb := claimOne(t, s, "b", hostileRunB)
+	db, s, ca, cb := claimedPair(t, hostileRunA, hostileRunB)
 	_, err := db.Pool.Exec(ctx, `UPDATE agent_outbox SET run_id = $1 WHERE conversation_id = 'b'`, hostileRunC)
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, `DELETE FROM conversations WHERE id = 'a'`)
