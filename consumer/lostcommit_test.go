@@ -40,8 +40,7 @@ func viaProxy(t *testing.T, db *testsvc.Database) (*pgxpool.Pool, *testsvc.Proxy
 func TestFinishWhoseAnswerWasLost(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
-	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('warm')`)
-	require.NoError(t, err)
+	conversations(t, db, "warm")
 	send(t, db, "warm", "w1")
 	send(t, db, "c", "m1")
 	const run = "00000000-0000-4000-8000-000000000052"
@@ -56,7 +55,7 @@ func TestFinishWhoseAnswerWasLost(t *testing.T) {
 		outcome: outcome{role: "assistant", content: "warm"}}))
 
 	fired := proxy.DropNextResponse()
-	err = s.finishOne(ctx, finishReq{conversationID: "c", runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "ok"}})
+	err := s.finishOne(ctx, finishReq{conversationID: "c", runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "ok"}})
 	select {
 	case <-fired:
 	case <-time.After(10 * time.Second):
@@ -68,13 +67,12 @@ func TestFinishWhoseAnswerWasLost(t *testing.T) {
 }
 
 // A claim whose answer is lost (the connection dropped after the claim committed) hands its
-// rows back at once, attempt refunded and run record removed, instead of leaving them processing under a run nobody
-// runs until the lease ends.
+// rows back at once, attempt refunded and run record removed, instead of leaving them
+// processing under a run nobody runs until the lease ends.
 func TestClaimWhoseAnswerWasLost(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
-	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('warm')`)
-	require.NoError(t, err)
+	conversations(t, db, "warm")
 	send(t, db, "warm", "w1")
 	send(t, db, "c", "m1")
 	pool, proxy := viaProxy(t, db)
@@ -82,7 +80,7 @@ func TestClaimWhoseAnswerWasLost(t *testing.T) {
 	claimOne(t, s, "warm", "00000000-0000-4000-8000-000000000054") // prepares the statements
 
 	fired := proxy.DropNextResponse()
-	_, err = s.claimMany(ctx, []claimReq{{"c", "00000000-0000-4000-8000-000000000055"}})
+	_, err := s.claimMany(ctx, []claimReq{{"c", "00000000-0000-4000-8000-000000000055"}})
 	select {
 	case <-fired:
 	case <-time.After(10 * time.Second):

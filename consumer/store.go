@@ -426,8 +426,7 @@ LEFT JOIN conv c ON c.id = i.conversation_id`
 func (s *store) finishOne(ctx context.Context, r finishReq) error {
 	err := s.finishRetrying(ctx, []finishReq{r})
 	if errors.Is(err, errLeaseLost) {
-		var exists bool
-		if qerr := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM conversations WHERE id = $1)`, r.conversationID).Scan(&exists); qerr == nil && !exists {
+		if exists, qerr := conversationExists(ctx, s.pool, r.conversationID); qerr == nil && !exists {
 			return errConversationGone
 		}
 	}
@@ -478,7 +477,7 @@ func runFailed(err error) bool {
 	return errors.Is(err, errConversationGone) || errors.Is(err, errLeaseLost)
 }
 
-// finishRetrying runs finishAll for reqs, retrying transient failures (see
+// finishRetrying runs finishSQL for reqs, retrying transient failures (see
 // retryUncertain). A final commit whose outcome is unknown (the connection was lost while it
 // ran, perhaps after it committed) is not simply repeated: the repeat would find the rows no
 // longer processing and report a lost lease. It first asks whether the runs' replies exist —
@@ -491,18 +490,21 @@ func (s *store) finishRetrying(ctx context.Context, reqs []finishReq) error {
 		}
 		replies[i] = reqs[i].replyID
 	}
-	return retryUncertain(ctx, func() error { return s.finishAll(ctx, reqs) }, func() (bool, error) {
+	return retryUncertain(ctx, func() error { return s.finishIn(ctx, s.pool, reqs) }, func() (bool, error) {
 		var n int
 		err := s.pool.QueryRow(ctx, `SELECT count(*) FROM messages WHERE id = ANY($1)`, replies).Scan(&n)
 		return n > 0, err
 	})
 }
 
-// finishAll runs finishSQL for reqs: all commit, or none. A deleted conversation fails it with
-// errConversationGone, a run that no longer owns its rows with errLeaseLost. Texts Baton makes
-// (reasons, visible errors) are sanitized; a reply's content is the handler's, checked before.
-func (s *store) finishAll(ctx context.Context, reqs []finishReq) error {
-	return s.finishIn(ctx, s.pool, reqs)
+// conversationExists tells a deleted conversation from a lost lease, on q (a pool or a
+// transaction).
+func conversationExists(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, id string) (bool, error) {
+	var exists bool
+	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM conversations WHERE id = $1)`, id).Scan(&exists)
+	return exists, err
 }
 
 // batchSender is a pool or a transaction.
@@ -510,7 +512,10 @@ type batchSender interface {
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }
 
-// finishIn is finishAll on q: in a transaction of the caller's, or on its own.
+// finishIn runs finishSQL for reqs on q (the pool, or a transaction of the caller's): all
+// commit, or none. A deleted conversation fails it with errConversationGone, a run that no
+// longer owns its rows with errLeaseLost. Texts Baton makes (reasons, visible errors) are
+// sanitized; a reply's content is the handler's, checked before.
 func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) error {
 	n := len(reqs)
 	convs, runs, statuses, replies := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
@@ -690,8 +695,8 @@ func (s *store) endRun(ctx context.Context, r endReq) (ended, error) {
 				return err
 			}
 			if len(held) != len(r.ids) {
-				var exists bool
-				if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM conversations WHERE id = $1)`, r.conversationID).Scan(&exists); err != nil {
+				exists, err := conversationExists(ctx, tx, r.conversationID)
+				if err != nil {
 					return err
 				}
 				if !exists {
