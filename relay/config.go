@@ -20,7 +20,11 @@ type Config struct {
 	// replication connection and a regular one from it. Required.
 	DatabaseURL string
 	// NATS is the connection to publish on; the caller owns it. Connect it with
-	// nats.MaxReconnects(-1) so a NATS restart is survived. Required.
+	// nats.MaxReconnects(-1) so a NATS restart is survived, and with a nats.FlusherTimeout of
+	// seconds (baton relay uses 10s): a publish to a server that stops reading blocks for that
+	// long holding the connection. The relay never waits on such a publish (status updates, the
+	// ack timeout and Run's return go on without it), but until it gives up nothing else can
+	// use the connection. Required.
 	NATS *nats.Conn
 
 	// SubjectPrefix is the first part of every subject. Default "agent".

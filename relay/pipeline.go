@@ -16,10 +16,13 @@ import (
 // that is safe to confirm to Postgres.
 //
 // Its state is guarded by mu and changed only by add (the reader, in stream order) and reply
-// (nats.go's goroutine, one PubAck at a time): an event is published by the goroutine that
-// frees it, with no hand-off between goroutines on the way from the replication stream to
-// NATS or from a PubAck to the next event of its conversation. run owns the lifecycle: the ack
-// timeout, a graceful drain, and the end of the pipeline.
+// (nats.go's goroutine, one PubAck at a time): the goroutine that frees an event queues it for
+// publishing, and the sender (sendLoop) publishes the queue in order. The sender is the only
+// goroutine that calls into nats.go to publish: PublishMsg can block for as long as the
+// connection's FlusherTimeout (a minute by default) when the server stops reading, holding
+// nats.go's connection lock, and nothing else may wait on that — not the reader and its
+// status updates to Postgres, not the ack-timeout check, not shutdown. run owns the
+// lifecycle: the sender, the ack timeout, a graceful drain, and the end of the pipeline.
 //
 // Delivery rules kept here:
 //   - Per-subject order: an event is published only after every earlier event on its subject has
@@ -38,24 +41,29 @@ import (
 //     a change is never skipped without its record in the dead-letter stream. A failure to
 //     publish the record is retried like any other.
 //   - Once the pipeline failed or stopped, nothing more is published or confirmed.
+//   - An event waits for its PubAck from the moment it is queued: a sender stuck in a full
+//     socket ends the session after AckTimeout like a lost reply does.
 type pipeline struct {
-	pub        *publisher                           // nil in tests
-	send       func(msg *nats.Msg, id uint64) error // pub.publish; tests replace it
+	nc         *nats.Conn                           // nil in tests
+	send       func(msg *nats.Msg, id uint64) error // set by sendLoop; tests set it
 	maxPending int
 	lowWater   int // room is signalled when outstanding events drop to this
 	ackTimeout time.Duration
 	m          *metrics
 
 	room   chan struct{} // cap 1: outstanding events dropped to lowWater
+	kick   chan struct{} // cap 1: out is not empty
 	failed chan struct{} // closed with the first error (err)
 	idle   chan struct{} // closed when the input ended and every event has its PubAck
 	done   chan struct{} // closed when run returns
+	sent   chan struct{} // closed when the sender returns
 
 	mu sync.Mutex
 	// subjects holds, for each subject with an event in flight, the events queued behind it.
 	// A subject is present while busy; its queue may be empty.
 	subjects  map[string][]*pendingEvent
 	byID      map[uint64]*pendingEvent // published events by id, until their PubAck
+	out       []*pendingEvent          // published, for the sender to send, in order
 	nextID    uint64
 	txs       []*txEntry // FIFO of transactions not yet confirmed
 	cur       *txEntry   // the open transaction, nil between transactions
@@ -64,6 +72,8 @@ type pipeline struct {
 	inputDone bool       // closeInput was called
 	stopped   bool       // failed or run returned: nothing more is published or confirmed
 	err       error
+
+	halted atomic.Bool // stopped, for the sender between sends without the lock
 
 	confirmed *atomic.Uint64
 	acked     atomic.Int64 // events acknowledged (for the caller's progress)
@@ -93,14 +103,10 @@ type txEntry struct {
 	commitTime time.Time
 }
 
-func newPipeline(nc *nats.Conn, cfg *Config, m *metrics, confirmed *atomic.Uint64) (*pipeline, error) {
+func newPipeline(nc *nats.Conn, cfg *Config, m *metrics, confirmed *atomic.Uint64) *pipeline {
 	p := initPipeline(cfg.MaxInFlight, cfg.AckTimeout, m, confirmed)
-	pub, err := newPublisher(nc, p.reply)
-	if err != nil {
-		return nil, err
-	}
-	p.pub, p.send = pub, pub.publish
-	return p, nil
+	p.nc = nc
+	return p
 }
 
 func initPipeline(maxPending int, ackTimeout time.Duration, m *metrics, confirmed *atomic.Uint64) *pipeline {
@@ -112,9 +118,11 @@ func initPipeline(maxPending int, ackTimeout time.Duration, m *metrics, confirme
 		ackTimeout: ackTimeout,
 		m:          m,
 		room:       make(chan struct{}, 1),
+		kick:       make(chan struct{}, 1),
 		failed:     make(chan struct{}),
 		idle:       make(chan struct{}),
 		done:       make(chan struct{}),
+		sent:       make(chan struct{}),
 		subjects:   map[string][]*pendingEvent{},
 		byID:       map[uint64]*pendingEvent{},
 		confirmed:  confirmed,
@@ -127,19 +135,20 @@ var errDrainTimeout = errors.New("gave up waiting for PubAcks")
 // errStopped is returned to a caller adding to a pipeline that failed or stopped.
 var errStopped = errors.New("pipeline stopped")
 
-// run waits until closeInput was called and every event is acknowledged, and checks the ack
-// timeout meanwhile. It returns early with the pipeline's first error, and with nil when abort
-// is closed. drainTimeout bounds the wait after graceful is closed. When it returns, nothing
-// more is published or confirmed, and the PubAck subscription is gone.
+// run starts the sender, then waits until closeInput was called and every event is
+// acknowledged, and checks the ack timeout meanwhile. It returns early with the pipeline's
+// first error, and with nil when abort is closed. drainTimeout bounds the wait after graceful
+// is closed. When it returns, nothing more is published or confirmed. It never waits for the
+// sender: a send stuck in nats.go ends when the connection's write deadline passes, and the
+// sender then unsubscribes from PubAcks and returns (sent is closed).
 func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Duration) error {
+	go p.sendLoop()
 	defer func() {
 		p.mu.Lock()
 		p.stopped = true
+		p.halted.Store(true)
 		p.mu.Unlock()
 		close(p.done)
-		if p.pub != nil {
-			p.pub.close()
-		}
 		p.m.inFlight.Set(0)
 	}()
 	var drainTimer <-chan time.Time
@@ -183,8 +192,62 @@ func (p *pipeline) fail(err error) {
 		return
 	}
 	p.stopped = true
+	p.halted.Store(true)
 	p.err = err
 	close(p.failed)
+}
+
+// sendLoop publishes the events publish queued, in order, until the pipeline stops. It
+// subscribes to PubAcks first, so that no reply can precede its subscription, and
+// unsubscribes when it returns. Both take nats.go's connection lock, which a send stuck in a
+// full socket holds: that is why they happen here and nowhere else.
+func (p *pipeline) sendLoop() {
+	defer close(p.sent)
+	if p.nc != nil {
+		pub, err := newPublisher(p.nc, p.reply)
+		if err != nil {
+			p.mu.Lock()
+			p.fail(err)
+			p.mu.Unlock()
+			return
+		}
+		defer pub.close()
+		p.send = pub.publish
+	}
+	for {
+		select {
+		case <-p.kick:
+		case <-p.failed:
+			return
+		case <-p.done:
+			return
+		}
+		if !p.sendQueued() {
+			return
+		}
+	}
+}
+
+// sendQueued sends the queued events and reports whether the pipeline goes on. A send error
+// fails the pipeline: the session replays from the confirmed LSN.
+func (p *pipeline) sendQueued() bool {
+	p.mu.Lock()
+	batch := p.out
+	p.out = nil
+	p.mu.Unlock()
+	for _, ev := range batch {
+		if p.halted.Load() {
+			return false
+		}
+		if err := p.send(ev.msg, ev.id); err != nil {
+			p.m.errors.WithLabelValues("publish").Inc()
+			p.mu.Lock()
+			p.fail(fmt.Errorf("publish %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), err))
+			p.mu.Unlock()
+			return false
+		}
+	}
+	return true
 }
 
 // pending returns the events outstanding, for logs.
@@ -315,9 +378,7 @@ func (p *pipeline) handle(it item) error {
 			p.queued++
 		} else {
 			p.subjects[it.msg.Subject] = nil
-			if err := p.publish(ev); err != nil {
-				return err
-			}
+			p.publish(ev)
 		}
 	case itemIgnored:
 		p.m.ignored.Inc()
@@ -325,17 +386,20 @@ func (p *pipeline) handle(it item) error {
 	return nil
 }
 
-func (p *pipeline) publish(ev *pendingEvent) error {
+// publish queues ev for the sender; from now on it waits for its PubAck. mu is held.
+func (p *pipeline) publish(ev *pendingEvent) {
 	ev.sentAt = time.Now()
 	p.nextID++
 	ev.id = p.nextID
 	p.byID[ev.id] = ev
 	p.inFlight++
-	if err := p.send(ev.msg, ev.id); err != nil {
-		p.m.errors.WithLabelValues("publish").Inc()
-		return fmt.Errorf("publish %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), err)
+	p.out = append(p.out, ev)
+	if len(p.out) == 1 {
+		select {
+		case p.kick <- struct{}{}:
+		default:
+		}
 	}
-	return nil
 }
 
 func (p *pipeline) ack(a ackResult) error {
@@ -372,9 +436,7 @@ func (p *pipeline) ack(a ackResult) error {
 		q[0] = nil
 		p.subjects[ev.msg.Subject] = q[1:]
 		p.queued--
-		if err := p.publish(next); err != nil {
-			return err
-		}
+		p.publish(next)
 	} else {
 		delete(p.subjects, ev.msg.Subject)
 	}

@@ -33,10 +33,12 @@ func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
 	return f
 }
 
+// step handles items and sends what they queued, as the sender would.
 func (f *fakePipeline) step(t *testing.T, items ...item) {
 	t.Helper()
 	for _, it := range items {
 		require.NoError(t, f.handle(it))
+		f.sendQueued()
 	}
 }
 
@@ -45,6 +47,7 @@ func (f *fakePipeline) ackMsg(t *testing.T, m *nats.Msg) {
 	id, ok := f.ids[m]
 	require.True(t, ok, "acknowledging a message never published")
 	require.NoError(t, f.ack(ackResult{id: id}))
+	f.sendQueued()
 }
 
 func (f *fakePipeline) lsn() pglogrepl.LSN { return pglogrepl.LSN(f.confirmed.Load()) }
@@ -126,6 +129,39 @@ func TestPublishErrorEndsThePipeline(t *testing.T) {
 	require.Zero(t, f.lsn())
 }
 
+// A send that fails (nats.go refused the message, the connection closed) stops the pipeline
+// like a failed PubAck: nothing queued behind it goes out, nothing is confirmed.
+func TestSendErrorEndsThePipeline(t *testing.T) {
+	f := newFakePipeline(t, 100)
+	send := f.send
+	f.send = func(msg *nats.Msg, id uint64) error {
+		if msg.Subject == "b" {
+			return errors.New("boom")
+		}
+		return send(msg, id)
+	}
+	a1, _ := event("a")
+	b1, _ := event("b")
+	c1, _ := event("c")
+	require.NoError(t, f.handle(begin()))
+	for _, it := range []item{a1, b1, c1} {
+		ok, err := f.add(it)
+		require.NoError(t, err)
+		require.True(t, ok)
+	}
+	require.False(t, f.sendQueued())
+	select {
+	case <-f.failed:
+	default:
+		t.Fatal("a failed send must stop the pipeline")
+	}
+	require.ErrorContains(t, f.err, "boom")
+	require.Len(t, f.sent, 1, "nothing after the failed send goes out")
+	_, err := f.add(commit(10))
+	require.ErrorIs(t, err, errStopped)
+	require.Zero(t, f.lsn())
+}
+
 func TestAddWaitsForRoomBelowTheLowWaterMark(t *testing.T) {
 	f := newFakePipeline(t, 8)
 	f.step(t, begin())
@@ -137,6 +173,7 @@ func TestAddWaitsForRoomBelowTheLowWaterMark(t *testing.T) {
 		require.True(t, ok)
 		msgs = append(msgs, m)
 	}
+	f.sendQueued()
 	e, _ := event("z")
 	ok, err := f.add(e)
 	require.NoError(t, err)
@@ -166,6 +203,7 @@ func TestNothingIsPublishedOrConfirmedAfterAFailure(t *testing.T) {
 	}
 	require.ErrorContains(t, f.err, "boom")
 	f.reply(ackResult{id: f.ids[ma1]})
+	f.sendQueued()
 	require.Len(t, f.sent, 2, "the event queued behind a1 is not published after the failure")
 	require.Zero(t, f.lsn())
 	_, err := f.add(keepalive(50))

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"golang.org/x/sync/errgroup"
 )
@@ -21,6 +22,12 @@ import (
 type Relay struct {
 	cfg Config
 	m   *metrics
+
+	// streamsChecked is set once ensureStreams succeeded, with the server's maxPayload then,
+	// and cleared when a publish found no stream for its subject (one was deleted) or was too
+	// large (the server's limit went down): only Run's goroutine uses them.
+	streamsChecked bool
+	maxPayload     int64
 
 	confirmed atomic.Uint64 // the LSN last made safe to confirm
 	active    atomic.Bool   // streaming from the slot
@@ -54,6 +61,9 @@ func (r *Relay) Run(ctx context.Context) error {
 	for {
 		started := time.Now()
 		err := r.session(ctx)
+		if errors.Is(err, errNoResponders) || errors.Is(err, nats.ErrMaxPayload) {
+			r.streamsChecked = false // check the streams and the server's limit again
+		}
 		r.active.Store(false)
 		r.m.active.Set(0)
 		if ctx.Err() != nil {
@@ -147,13 +157,20 @@ func (r *Relay) session(ctx context.Context) error {
 		}
 	}
 
-	js, err := jetstream.New(cfg.NATS)
-	if err != nil {
-		return fmt.Errorf("jetstream: %w", err)
-	}
-	if err := ensureStreams(ctx, js, cfg); err != nil {
-		r.m.errors.WithLabelValues("nats").Inc()
-		return err
+	// Checked once, not at every session start: a session that ended because NATS stopped
+	// reading would otherwise start the next one blocked on the JetStream API (or on reading
+	// the server's max payload), behind nats.go's connection lock that the stuck publish
+	// holds, and there no SIGTERM reaches it.
+	if !r.streamsChecked {
+		js, err := jetstream.New(cfg.NATS)
+		if err != nil {
+			return fmt.Errorf("jetstream: %w", err)
+		}
+		if err := ensureStreams(ctx, js, cfg); err != nil {
+			r.m.errors.WithLabelValues("nats").Inc()
+			return err
+		}
+		r.streamsChecked, r.maxPayload = true, cfg.NATS.MaxPayload()
 	}
 
 	replCfg := connCfg.Config.Copy()
@@ -362,10 +379,7 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (int64, error) {
 	cfg := &r.cfg
 	var discard atomic.Uint64
-	p, err := newPipeline(cfg.NATS, cfg, r.m, &discard)
-	if err != nil {
-		return 0, err
-	}
+	p := newPipeline(cfg.NATS, cfg, r.m, &discard)
 	var n int64
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return p.run(gctx.Done(), nil, 0) })
@@ -455,10 +469,7 @@ func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''
 // one fails or ctx ends.
 func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn) error {
 	cfg := &r.cfg
-	p, err := newPipeline(cfg.NATS, cfg, r.m, &r.confirmed)
-	if err != nil {
-		return err
-	}
+	p := newPipeline(cfg.NATS, cfg, r.m, &r.confirmed)
 	g, gctx := errgroup.WithContext(context.WithoutCancel(ctx))
 	stopping := ctx.Done()
 	g.Go(func() error {
@@ -482,7 +493,7 @@ func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn) error {
 // and ending ctx or gctx moves that deadline to now.
 func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline) error {
 	cfg := &r.cfg
-	dec := newDecoder(cfg.Schema, cfg.SubjectPrefix, int(cfg.NATS.MaxPayload()))
+	dec := newDecoder(cfg.Schema, cfg.SubjectPrefix, int(r.maxPayload))
 	netConn := repl.Conn()
 	wake := func() { _ = netConn.SetReadDeadline(time.Now()) }
 	defer context.AfterFunc(ctx, wake)()

@@ -45,7 +45,7 @@ acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
 	if err != nil {
 		return err
 	}
-	defer nc.Close()
+	defer closeNATS(nc)
 
 	reg := opsserver.NewRegistry()
 	r, err := relay.New(relay.Config{
@@ -82,14 +82,37 @@ acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
 	return nil
 }
 
+// closeNATS closes nc, waiting at most a second: a write stuck on a server that stopped
+// reading holds nats.go's connection lock for up to natsWriteTimeout, and a relay that was
+// told to stop has nothing left to send that matters (what was not acknowledged is replayed by
+// the next relay). The process exits right after, ending the close if it is still waiting.
+func closeNATS(nc *nats.Conn) {
+	closed := make(chan struct{})
+	go func() {
+		defer close(closed)
+		nc.Close()
+	}()
+	select {
+	case <-closed:
+	case <-time.After(time.Second):
+	}
+}
+
 // errStopped ends an errgroup when its main task returned cleanly.
 var errStopped = errors.New("stopped")
+
+// natsWriteTimeout bounds a write to the NATS server (nats.go's FlusherTimeout, a minute by
+// default). A server that stops reading otherwise holds a publish, and nats.go's connection
+// lock with it, for that long; past it nats.go drops the connection and reconnects, and the
+// relay replays what was not acknowledged.
+const natsWriteTimeout = 10 * time.Second
 
 // connectNATS connects with unlimited reconnects: a NATS restart must be survived, not fatal.
 // Errors and logs carry the redacted URL only.
 func connectNATS(cfg *config.Config, name string) (*nats.Conn, error) {
 	nc, err := nats.Connect(cfg.NATSURL,
 		nats.Name(name),
+		nats.FlusherTimeout(natsWriteTimeout),
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(250*time.Millisecond),
 		nats.ReconnectJitter(100*time.Millisecond, time.Second),
