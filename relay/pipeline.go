@@ -41,8 +41,9 @@ import (
 //     a change is never skipped without its record in the dead-letter stream. A failure to
 //     publish the record is retried like any other.
 //   - Once the pipeline failed or stopped, nothing more is published or confirmed.
-//   - An event waits for its PubAck from the moment it is queued: a sender stuck in a full
-//     socket ends the session after AckTimeout like a lost reply does.
+//   - An event waits for its PubAck from the moment the sender hands it to nats.go: a send
+//     stuck in a full socket ends the session after AckTimeout like a lost reply does, and
+//     events queued behind it are not timed.
 type pipeline struct {
 	nc         *nats.Conn                           // nil in tests
 	send       func(msg *nats.Msg, id uint64) error // set by sendLoop; tests set it
@@ -93,7 +94,10 @@ type pendingEvent struct {
 	omitted bool
 	// deadLetter is the kind of change whose dead-letter record this is, "" for an event.
 	deadLetter string
-	sentAt     time.Time
+	// sentAt is when the sender handed the event to nats.go (UnixNano), 0 before: the ack
+	// timeout counts from there, so a long queue on a slow but working link does not time out,
+	// and a send stuck in a full socket does.
+	sentAt atomic.Int64
 }
 
 type txEntry struct {
@@ -239,6 +243,7 @@ func (p *pipeline) sendQueued() bool {
 		if p.halted.Load() {
 			return false
 		}
+		ev.sentAt.Store(time.Now().UnixNano())
 		if err := p.send(ev.msg, ev.id); err != nil {
 			p.m.errors.WithLabelValues("publish").Inc()
 			p.mu.Lock()
@@ -337,7 +342,7 @@ func (p *pipeline) wait(ctx context.Context) error {
 // PubAck: the session then restarts from the confirmed LSN.
 func (p *pipeline) checkAckTimeout(now time.Time) error {
 	for _, ev := range p.byID {
-		if now.Sub(ev.sentAt) > p.ackTimeout {
+		if sent := ev.sentAt.Load(); sent != 0 && now.Sub(time.Unix(0, sent)) > p.ackTimeout {
 			p.m.errors.WithLabelValues("publish").Inc()
 			return fmt.Errorf("publish %s on %s: no PubAck within %s", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject, p.ackTimeout)
 		}
@@ -386,9 +391,8 @@ func (p *pipeline) handle(it item) error {
 	return nil
 }
 
-// publish queues ev for the sender; from now on it waits for its PubAck. mu is held.
+// publish queues ev for the sender. mu is held.
 func (p *pipeline) publish(ev *pendingEvent) {
-	ev.sentAt = time.Now()
 	p.nextID++
 	ev.id = p.nextID
 	p.byID[ev.id] = ev
@@ -415,7 +419,7 @@ func (p *pipeline) ack(a ackResult) error {
 	p.inFlight--
 	p.acked.Add(1)
 	now := time.Now()
-	p.m.publishLatency.Observe(now.Sub(ev.sentAt).Seconds())
+	p.m.publishLatency.Observe(now.Sub(time.Unix(0, ev.sentAt.Load())).Seconds())
 	switch {
 	case ev.deadLetter != "":
 		p.m.deadLetter.WithLabelValues(ev.deadLetter).Inc()

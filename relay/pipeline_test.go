@@ -4,6 +4,7 @@ import (
 	"errors"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/nats-io/nats.go"
@@ -218,4 +219,20 @@ func TestReplyToAnUnknownEventIsIgnored(t *testing.T) {
 	f.reply(ackResult{id: 998, err: errors.New("late reply of an earlier session")})
 	f.reply(ackResult{id: f.ids[m1]})
 	require.EqualValues(t, 10, f.lsn())
+}
+
+// The ack timeout counts from the hand-off to nats.go: events queued behind a slow send are not
+// timed (a long queue of large events on a slow link is progress), the event in the send is.
+func TestAckTimeoutCountsFromTheSend(t *testing.T) {
+	f := newFakePipeline(t, 100)
+	e1, _ := event("a")
+	require.NoError(t, f.handle(begin()))
+	ok, err := f.add(e1)
+	require.NoError(t, err)
+	require.True(t, ok)
+	later := time.Now().Add(2 * f.ackTimeout)
+	require.NoError(t, f.tick(later), "queued, not sent: not timed")
+	f.sendQueued()
+	require.NoError(t, f.tick(time.Now()))
+	require.ErrorContains(t, f.tick(time.Now().Add(2*f.ackTimeout)), "no PubAck within")
 }
