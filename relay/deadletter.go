@@ -3,6 +3,7 @@ package relay
 import (
 	"encoding/json"
 	"fmt"
+	"strconv"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/nats-io/nats.go"
@@ -36,7 +37,8 @@ const maxDeadLetterReason = 1024
 // DeadLetter is the JSON body of a record in the dead-letter stream: one change of the
 // replication stream that no retry could publish, which the relay set aside and skipped.
 type DeadLetter struct {
-	// LSN is the change's position in the WAL ("16/B374D848").
+	// LSN is the change's position in the WAL ("16/B374D848"); "0/0" for a row read by the
+	// first-start backfill, which has none.
 	LSN string `json:"lsn"`
 	// Kind is DeadLetterAnswers, DeadLetterTurn or DeadLetterOutcome.
 	Kind string `json:"kind"`
@@ -45,8 +47,9 @@ type DeadLetter struct {
 	// Reason says why the change could not be published.
 	Reason string `json:"reason"`
 	// Raw is the change as the relay received it: the message content of a logical decoding
-	// message, the pgoutput insert message (protocol version 1) of a row. At most
-	// MaxDeadLetterRaw bytes; base64 in JSON.
+	// message, the pgoutput insert message (protocol version 1) of a row; for a row read by the
+	// first-start backfill, a JSON object of its columns as text (id, conversation_id,
+	// message_id, status, attempts, created_at). At most MaxDeadLetterRaw bytes; base64 in JSON.
 	Raw []byte `json:"raw"`
 	// RawBytes is the full size of the change, which Raw may cut.
 	RawBytes int `json:"raw_bytes"`
@@ -56,18 +59,30 @@ type DeadLetter struct {
 // of the change is deduplicated like any event.
 func DeadLetterMsgID(lsn pglogrepl.LSN) string { return "deadletter:" + lsn.String() }
 
-// deadLetterMsg builds the dead-letter record of the change at lsn, on
+// DeadLetterBackfillMsgID is the Nats-Msg-Id of the dead-letter record of the outbox row
+// outboxID when the first-start backfill set it aside: such a row has no WAL position, and a
+// backfill run again (after a relay died during it) is deduplicated like its turn events.
+func DeadLetterBackfillMsgID(outboxID int64) string {
+	return "deadletter:backfill:" + strconv.FormatInt(outboxID, 10)
+}
+
+// deadLetterMsg builds the dead-letter record of the change at lsn (DeadLetterMsgID).
+func deadLetterMsg(prefix, kind, table, reason string, lsn pglogrepl.LSN, raw []byte, maxPayload int) *nats.Msg {
+	return deadLetterMsgWithID(prefix, DeadLetterMsgID(lsn), kind, table, reason, lsn, raw, maxPayload)
+}
+
+// deadLetterMsgWithID builds a dead-letter record with Nats-Msg-Id msgID, on
 // <prefix>.deadletter.<kind>, no larger than maxPayload (0: no limit): Raw is cut to
 // MaxDeadLetterRaw bytes, and further until the record fits; under an absurdly small max
 // payload the reason is cut too.
-func deadLetterMsg(prefix, kind, table, reason string, lsn pglogrepl.LSN, raw []byte, maxPayload int) *nats.Msg {
+func deadLetterMsgWithID(prefix, msgID, kind, table, reason string, lsn pglogrepl.LSN, raw []byte, maxPayload int) *nats.Msg {
 	if len(reason) > maxDeadLetterReason {
 		reason = reason[:maxDeadLetterReason] + "…"
 	}
 	rec := DeadLetter{LSN: lsn.String(), Kind: kind, Table: table, Reason: reason, RawBytes: len(raw)}
 	rec.Raw = raw[:min(len(raw), MaxDeadLetterRaw)]
 	m := nats.NewMsg(prefix + "." + subject.KindDeadLetter + "." + kind)
-	m.Header.Set(nats.MsgIdHdr, DeadLetterMsgID(lsn))
+	m.Header.Set(nats.MsgIdHdr, msgID)
 	for {
 		body, err := json.Marshal(rec)
 		if err != nil { // a struct of strings, ints and bytes: cannot happen

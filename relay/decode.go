@@ -371,31 +371,18 @@ func (d *decoder) event(rel *relation, tuple []tupleColumn) (item, error) {
 	var created string
 	switch rel.kind {
 	case tableOutbox:
-		var row TurnEvent
-		var id, attempts string
-		col("id", &id, &err)
+		var row outboxText
+		col("id", &row.ID, &err)
 		col("conversation_id", &row.ConversationID, &err)
 		col("message_id", &row.MessageID, &err)
 		col("status", &row.Status, &err)
-		col("attempts", &attempts, &err)
-		col("created_at", &created, &err)
+		col("attempts", &row.Attempts, &err)
+		col("created_at", &row.CreatedAt, &err)
 		if err != nil {
 			return item{}, err
 		}
-		if row.OutboxID, err = strconv.ParseInt(id, 10, 64); err != nil {
-			return item{}, fmt.Errorf("agent_outbox.id %q: %w", id, err)
-		}
-		if row.Attempts, err = strconv.Atoi(attempts); err != nil {
-			return item{}, fmt.Errorf("agent_outbox %d attempts %q: %w", row.OutboxID, attempts, err)
-		}
-		if row.CreatedAt, err = parseTimestamptz(created); err != nil {
-			return item{}, fmt.Errorf("agent_outbox %d created_at: %w", row.OutboxID, err)
-		}
-		msg, err := turnMsg(d.prefix, row)
+		msg, err := row.turn(d.prefix, d.maxPayload)
 		if err != nil {
-			return item{}, err
-		}
-		if err := checkTurnSize(msg, row, d.maxPayload); err != nil {
 			return item{}, err
 		}
 		return item{kind: itemEvent, msg: msg}, nil
@@ -424,6 +411,43 @@ func (d *decoder) event(rel *relation, tuple []tupleColumn) (item, error) {
 		}
 		return item{kind: itemEvent, msg: msg, outcome: true, omitted: msg.Header.Get(HeaderContentOmitted) != ""}, nil
 	}
+}
+
+// outboxText is an agent_outbox row as text, in the forms the relay's sessions print (see
+// sessionParams), NULL as "": what pgoutput sends, and what the first-start backfill selects.
+type outboxText struct {
+	ID             string `json:"id"`
+	ConversationID string `json:"conversation_id"`
+	MessageID      string `json:"message_id"`
+	Status         string `json:"status"`
+	Attempts       string `json:"attempts"`
+	CreatedAt      string `json:"created_at"`
+}
+
+// turn parses the row and builds its turn event. The stream and the backfill both use it, so
+// they agree on which rows can be published and how. Its errors are the row's: a value that
+// cannot be parsed (a created_at that is not finite, or past the year 9999, or BC), a
+// conversation id no subject can carry, an event that cannot fit maxPayload.
+func (c *outboxText) turn(prefix string, maxPayload int) (*nats.Msg, error) {
+	row := TurnEvent{ConversationID: c.ConversationID, MessageID: c.MessageID, Status: c.Status}
+	var err error
+	if row.OutboxID, err = strconv.ParseInt(c.ID, 10, 64); err != nil {
+		return nil, fmt.Errorf("agent_outbox.id %q: %w", c.ID, err)
+	}
+	if row.Attempts, err = strconv.Atoi(c.Attempts); err != nil {
+		return nil, fmt.Errorf("agent_outbox %d attempts %q: %w", row.OutboxID, c.Attempts, err)
+	}
+	if row.CreatedAt, err = parseTimestamptz(c.CreatedAt); err != nil {
+		return nil, fmt.Errorf("agent_outbox %d created_at: %w", row.OutboxID, err)
+	}
+	msg, err := turnMsg(prefix, row)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkTurnSize(msg, row, maxPayload); err != nil {
+		return nil, err
+	}
+	return msg, nil
 }
 
 // checkTurnSize returns an error when the turn event msg of row does not fit maxPayload (0:

@@ -14,7 +14,7 @@
 //   - Per-conversation order (pipeline.handle): an event is published only after every
 //     earlier event of its subject has a PubAck, and any publish error restarts the session
 //     from the confirmed LSN.
-//   - No poison loop (decoder, pipeline): a change no retry can publish (a malformed
+//   - No poison loop (decoder, backfillItem, pipeline): a change no retry can publish (a malformed
 //     AnswersPrefix message, a value that cannot be parsed, an event that cannot fit the
 //     server's max payload) becomes a DeadLetter record on <prefix>.deadletter.<kind>, in the
 //     stream Config.DeadLetterStream, published in the change's place like any event: its
@@ -26,6 +26,7 @@
 //     nothing is in flight.
 //   - First start migrates a polling backlog: the slot's exported snapshot is used to
 //     publish every pending or processing row before streaming from the consistent point.
+//     A row the stream would set aside is set aside by the backfill too (backfillItem).
 //   - One relay per slot streams; others stand by (a session advisory lock and the slot's
 //     own exclusivity) and take over when it goes away.
 package relay

@@ -422,29 +422,36 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 }
 
 // backfillPage reads up to BackfillBatch unfinished outbox rows with an id above after, in id
-// order, as turn events, and returns them with the last id read.
+// order, as turn events (or, for a row that cannot become one, its dead-letter record: see
+// backfillItem), and returns them with the last id read.
+//
+// Columns are read as text, which the relay's pinned session settings print as pgoutput does,
+// and parsed by the stream's own parser: a value no event can carry ('infinity', a year past
+// 9999) is never a scan error, and the backfill and the stream agree on every row.
 func (r *Relay) backfillPage(ctx context.Context, tx pgx.Tx, after int64) ([]item, int64, error) {
-	rows, err := tx.Query(ctx, `SELECT id, conversation_id, message_id, status, attempts, created_at
+	rows, err := tx.Query(ctx, `SELECT id, conversation_id, message_id, status, attempts::text, created_at::text
 		FROM agent_outbox WHERE status IN ('pending', 'processing') AND id > $1 ORDER BY id LIMIT $2`,
 		after, r.cfg.BackfillBatch)
 	if err != nil {
 		return nil, 0, err
 	}
 	defer rows.Close()
+	table := r.cfg.Schema + "." + tableOutbox
+	maxPayload := int(r.cfg.NATS.MaxPayload())
 	var page []item
 	var last int64
 	for rows.Next() {
-		var ev TurnEvent
-		if err := rows.Scan(&ev.OutboxID, &ev.ConversationID, &ev.MessageID, &ev.Status, &ev.Attempts, &ev.CreatedAt); err != nil {
-			return nil, 0, err
-		}
-		ev.CreatedAt = ev.CreatedAt.UTC()
-		msg, err := turnMsg(r.cfg.SubjectPrefix, ev)
+		id, row, err := scanOutboxText(rows)
 		if err != nil {
 			return nil, 0, err
 		}
-		page = append(page, item{kind: itemEvent, msg: msg})
-		last = ev.OutboxID
+		it := backfillItem(r.cfg.SubjectPrefix, table, maxPayload, id, row)
+		if it.deadLetter != "" {
+			r.cfg.Logger.Error("change cannot be published; setting it aside in the dead-letter stream",
+				"outbox_id", id, "kind", it.deadLetter, "subject", it.msg.Subject, "reason", it.reason)
+		}
+		page = append(page, it)
+		last = id
 	}
 	return page, last, rows.Err()
 }
