@@ -430,14 +430,15 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 // 9999) is never a scan error, and the backfill and the stream agree on every row.
 func (r *Relay) backfillPage(ctx context.Context, tx pgx.Tx, after int64) ([]item, int64, error) {
 	rows, err := tx.Query(ctx, `SELECT id, conversation_id, message_id, status, attempts::text, created_at::text
-		FROM agent_outbox WHERE status IN ('pending', 'processing') AND id > $1 ORDER BY id LIMIT $2`,
+		FROM `+pgx.Identifier{r.cfg.Schema, tableOutbox}.Sanitize()+`
+		WHERE status IN ('pending', 'processing') AND id > $1 ORDER BY id LIMIT $2`,
 		after, r.cfg.BackfillBatch)
 	if err != nil {
 		return nil, 0, err
 	}
 	defer rows.Close()
 	table := r.cfg.Schema + "." + tableOutbox
-	maxPayload := int(r.cfg.NATS.MaxPayload())
+	maxPayload := int(r.maxPayload) // not nc.MaxPayload(): see streamsChecked
 	var page []item
 	var last int64
 	for rows.Next() {
