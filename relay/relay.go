@@ -84,7 +84,7 @@ func (r *Relay) session(ctx context.Context) error {
 	log := cfg.Logger
 	connCfg, err := pgx.ParseConfig(cfg.DatabaseURL)
 	if err != nil {
-		return fmt.Errorf("%w: parse database url: %w", ErrSetup, err)
+		return parseError(err)
 	}
 	pinSession(connCfg.RuntimeParams)
 	setKeepalives(connCfg.RuntimeParams)
@@ -94,7 +94,7 @@ func (r *Relay) session(ctx context.Context) error {
 	conn, err := pgx.ConnectConfig(ctx, connCfg)
 	if err != nil {
 		r.m.errors.WithLabelValues("postgres").Inc()
-		return fmt.Errorf("connect to postgres: %w", err)
+		return connectError(err)
 	}
 	defer func() { closeConn(ctx, conn.PgConn()) }()
 	if err := r.bounded(ctx, func(ctx context.Context) error { return checkDatabase(ctx, conn, cfg) }); err != nil {
