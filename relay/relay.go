@@ -61,6 +61,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		if errors.Is(err, ErrSetup) || errors.Is(err, ErrSlotLost) {
 			r.healthy.Store(false)
+			r.m.stopped(err)
 			return err
 		}
 		r.healthy.Store(false)
