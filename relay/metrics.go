@@ -1,6 +1,10 @@
 package relay
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"errors"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // metrics are the relay's Prometheus collectors, all prefixed baton_relay_.
 type metrics struct {
@@ -17,6 +21,7 @@ type metrics struct {
 	reconnects                         prometheus.Counter
 	errors                             *prometheus.CounterVec // stage: postgres|nats|publish|decode
 	slotLost                           prometheus.Gauge
+	fatal                              *prometheus.GaugeVec // reason: setup|slot_lost
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -59,6 +64,13 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		slotLost: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_relay_slot_lost", Help: "1 when the slot was invalidated (wal_status lost): recreate it, see the README.",
 		}),
+		fatal: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "baton_relay_fatal",
+			Help: "1 once the relay stopped on an error no retry can fix, by reason (setup, slot_lost); its ERROR log says what to do.",
+		}, []string{"reason"}),
+	}
+	for _, reason := range []string{fatalSetup, fatalSlotLost} {
+		m.fatal.WithLabelValues(reason).Set(0)
 	}
 	m.turns = m.events.WithLabelValues("turn")
 	m.outcomes = m.events.WithLabelValues("outcome")
@@ -66,7 +78,22 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	m.ignored = m.events.WithLabelValues("ignored")
 	if reg != nil {
 		reg.MustRegister(m.events, m.omitted, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
-			m.slotLagBytes, m.inFlight, m.active, m.reconnects, m.errors, m.slotLost)
+			m.slotLagBytes, m.inFlight, m.active, m.reconnects, m.errors, m.slotLost, m.fatal)
 	}
 	return m
+}
+
+// Reasons of baton_relay_fatal.
+const (
+	fatalSetup    = "setup"
+	fatalSlotLost = "slot_lost"
+)
+
+// stopped records in baton_relay_fatal the error no retry can fix with which Run returns.
+func (m *metrics) stopped(err error) {
+	reason := fatalSetup
+	if errors.Is(err, ErrSlotLost) {
+		reason = fatalSlotLost
+	}
+	m.fatal.WithLabelValues(reason).Set(1)
 }

@@ -3,6 +3,7 @@ package relay_test
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -196,13 +197,18 @@ func TestLostSlotIsLoudAndRecoverable(t *testing.T) {
 		return status == "lost"
 	}, time.Minute, 10*time.Millisecond)
 
-	// The relay refuses, loudly: an error that says what to do, a metric, a non-zero exit.
-	cmd := exec.Command(batonBinary(t), "relay")
-	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+pg.URL("postgres"), "BATON_NATS_URL="+b.nats.URL())
-	out, err := cmd.CombinedOutput()
-	require.Error(t, err, "a lost slot must end the relay with a non-zero exit")
-	require.Contains(t, string(out), "replication slot lost")
-	require.Contains(t, string(out), "pg_drop_replication_slot")
+	// The relay refuses, loudly: an error that says what to do, a metric that stays scrapeable
+	// until it exits, a non-zero exit.
+	addr := freeAddr(t)
+	p := startFatalProcess(t, "BATON_DATABASE_URL="+pg.URL("postgres"), "BATON_NATS_URL="+b.nats.URL(),
+		"BATON_METRICS_ADDR="+addr, "BATON_FATAL_LINGER=10m")
+	p.requireLingering(t, addr, `baton_relay_slot_lost 1`, `baton_relay_fatal{reason="slot_lost"} 1`)
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
+	require.Equal(t, 1, p.exitCode(t, 30*time.Second), "SIGTERM during the linger exits with the error's status")
+	rec := p.errorRecord(t)
+	require.Contains(t, rec["error"], "replication slot lost")
+	require.Contains(t, rec["error"], "pg_drop_replication_slot")
+	require.Equal(t, "10m0s", rec["exit_in"])
 
 	// The documented recovery: drop the slot; the relay recreates it and backfills the row.
 	_, err = conn.Exec(ctx, `SELECT pg_drop_replication_slot('baton')`)
@@ -211,6 +217,126 @@ func TestLostSlotIsLoudAndRecoverable(t *testing.T) {
 	msgs := b.waitStream(t, "AGENT_TURNS", 1, time.Minute)
 	require.Equal(t, relay.TurnMsgID(1), msgs[0].header.Get("Nats-Msg-Id"))
 	t.Cleanup(func() { _, _ = conn.Exec(context.Background(), `SELECT pg_drop_replication_slot('baton')`) })
+}
+
+// fatalProcess is `baton relay` run to stop on an error no retry can fix, logging JSON.
+type fatalProcess struct {
+	cmd    *exec.Cmd
+	stderr syncBuffer
+	exited chan struct{}
+}
+
+func startFatalProcess(t *testing.T, env ...string) *fatalProcess {
+	t.Helper()
+	cmd := exec.Command(batonBinary(t), "relay")
+	cmd.Env = append(append(os.Environ(), "BATON_LOG_FORMAT=json"), env...)
+	p := &fatalProcess{cmd: cmd, exited: make(chan struct{})}
+	cmd.Stderr = &p.stderr
+	require.NoError(t, cmd.Start())
+	go func() { _ = cmd.Wait(); close(p.exited) }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-p.exited
+	})
+	return p
+}
+
+// exitCode waits up to within for the process to exit and returns its exit status.
+func (p *fatalProcess) exitCode(t *testing.T, within time.Duration) int {
+	t.Helper()
+	select {
+	case <-p.exited:
+	case <-time.After(within):
+		t.Fatalf("relay did not exit within %s; log:\n%s", within, p.stderr.String())
+	}
+	return p.cmd.ProcessState.ExitCode()
+}
+
+// requireLingering waits until the process serves metrics showing every one of want, then
+// checks that it is alive and not ready.
+func (p *fatalProcess) requireLingering(t *testing.T, addr string, want ...string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		code, metrics := httpGet(t, "http://"+addr+"/metrics")
+		if code != http.StatusOK {
+			return false
+		}
+		for _, w := range want {
+			if !strings.Contains(metrics, w) {
+				return false
+			}
+		}
+		return true
+	}, time.Minute, 20*time.Millisecond, "metrics never showed %v; log:\n%s", want, p.stderr.String())
+	code, _ := httpGet(t, "http://"+addr+"/healthz")
+	require.Equal(t, http.StatusOK, code, "alive while it lingers")
+	code, _ = httpGet(t, "http://"+addr+"/readyz")
+	require.Equal(t, http.StatusServiceUnavailable, code, "not ready while it lingers")
+}
+
+// errorRecord checks that every line the process logged is a JSON record (nothing printed
+// raw) and that exactly one is at ERROR, and returns that one.
+func (p *fatalProcess) errorRecord(t *testing.T) map[string]any {
+	t.Helper()
+	var errs []map[string]any
+	for line := range strings.SplitSeq(strings.TrimSpace(p.stderr.String()), "\n") {
+		var rec map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &rec), "a log line that is not a JSON record: %s", line)
+		if rec["level"] == "ERROR" {
+			errs = append(errs, rec)
+		}
+	}
+	require.Len(t, errs, 1, "one ERROR record; log:\n%s", p.stderr.String())
+	return errs[0]
+}
+
+// After an error no retry can fix, `baton relay` keeps serving /metrics and /healthz, with
+// /readyz not ready, for BATON_FATAL_LINGER, then exits non-zero; SIGTERM ends the linger at
+// once. With a linger of 0, or no metrics address, it exits at once. Either way the error is
+// logged once, as a record in the configured format, saying when it will exit.
+func TestFatalErrorLingersWithMetrics(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	env := func(more ...string) []string {
+		return append([]string{"BATON_DATABASE_URL=" + b.db.URL, "BATON_NATS_URL=" + b.nats.URL(),
+			"BATON_SLOT=" + b.cfg.Slot, "BATON_PUBLICATION=no_such_publication"}, more...)
+	}
+	requireSetupRecord := func(t *testing.T, p *fatalProcess, exitIn string) {
+		t.Helper()
+		rec := p.errorRecord(t)
+		require.Contains(t, rec["error"], `publication "no_such_publication" does not exist`)
+		require.Equal(t, exitIn, rec["exit_in"])
+	}
+
+	t.Run("SIGTERM ends the linger", func(t *testing.T) {
+		t.Parallel()
+		addr := freeAddr(t)
+		p := startFatalProcess(t, env("BATON_METRICS_ADDR="+addr, "BATON_FATAL_LINGER=10m")...)
+		p.requireLingering(t, addr, `baton_relay_fatal{reason="setup"} 1`, `baton_relay_fatal{reason="slot_lost"} 0`,
+			"baton_relay_slot_lost 0")
+		require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
+		require.Equal(t, 1, p.exitCode(t, 30*time.Second))
+		requireSetupRecord(t, p, "10m0s")
+	})
+	t.Run("the linger ends", func(t *testing.T) {
+		t.Parallel()
+		p := startFatalProcess(t, env("BATON_METRICS_ADDR="+freeAddr(t), "BATON_FATAL_LINGER=1s")...)
+		require.Equal(t, 1, p.exitCode(t, time.Minute))
+		requireSetupRecord(t, p, "1s")
+	})
+	// Bounds well below the default linger of 2m: these exit at once.
+	t.Run("no linger", func(t *testing.T) {
+		t.Parallel()
+		p := startFatalProcess(t, env("BATON_METRICS_ADDR="+freeAddr(t), "BATON_FATAL_LINGER=0")...)
+		require.Equal(t, 1, p.exitCode(t, 30*time.Second))
+		requireSetupRecord(t, p, "0s")
+	})
+	t.Run("no metrics address", func(t *testing.T) {
+		t.Parallel()
+		p := startFatalProcess(t, env("BATON_METRICS_ADDR=", "BATON_FATAL_LINGER=10m")...)
+		require.Equal(t, 1, p.exitCode(t, 30*time.Second))
+		requireSetupRecord(t, p, "0s")
+	})
 }
 
 func TestStartupChecksNameTheProblem(t *testing.T) {

@@ -71,6 +71,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		if errors.Is(err, ErrSetup) || errors.Is(err, ErrSlotLost) {
 			r.healthy.Store(false)
+			r.m.stopped(err)
 			return err
 		}
 		r.healthy.Store(false)
@@ -94,7 +95,7 @@ func (r *Relay) session(ctx context.Context) error {
 	log := cfg.Logger
 	connCfg, err := pgx.ParseConfig(cfg.DatabaseURL)
 	if err != nil {
-		return fmt.Errorf("%w: parse database url: %w", ErrSetup, err)
+		return parseError(err)
 	}
 	pinSession(connCfg.RuntimeParams)
 	setKeepalives(connCfg.RuntimeParams)
@@ -104,7 +105,7 @@ func (r *Relay) session(ctx context.Context) error {
 	conn, err := pgx.ConnectConfig(ctx, connCfg)
 	if err != nil {
 		r.m.errors.WithLabelValues("postgres").Inc()
-		return fmt.Errorf("connect to postgres: %w", err)
+		return connectError(err)
 	}
 	defer func() { closeConn(ctx, conn.PgConn()) }()
 	if err := r.bounded(ctx, func(ctx context.Context) error { return checkDatabase(ctx, conn, cfg) }); err != nil {

@@ -12,12 +12,15 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/batonhq/baton/internal/config"
 	"github.com/batonhq/baton/internal/subject"
 )
 
-// ErrSetup wraps misconfiguration that retrying cannot fix: wal_level, the publication, the
-// role's privileges, a slot of that name that Baton did not create (see Config.RecreateSlot),
-// or a stream with incompatible settings. Run returns it.
+// ErrSetup wraps misconfiguration that retrying cannot fix: a database URL that does not parse,
+// a connection the server refuses (credentials, pg_hba.conf, a database that does not exist:
+// see connectError), wal_level, the publication, the role's privileges, a slot of that name
+// that Baton did not create (see Config.RecreateSlot), or a stream with incompatible settings.
+// Run returns it.
 var ErrSetup = errors.New("relay setup")
 
 // ErrSlotLost is returned by Run when the slot was invalidated (wal_status "lost", typically
@@ -25,6 +28,38 @@ var ErrSetup = errors.New("relay setup")
 // by dropping the slot (SELECT pg_drop_replication_slot('baton')) and starting the relay: it
 // recreates the slot and backfills every pending and processing outbox row.
 var ErrSlotLost = errors.New("replication slot lost")
+
+// parseError wraps a database URL the driver cannot parse. The driver masks the password in its
+// message on a best-effort basis (it shows the part of a password after an '@'), so the message
+// is masked again, and the driver's error, which holds the URL, is not wrapped.
+func parseError(err error) error {
+	return fmt.Errorf("%w: parse database url: %s", ErrSetup, config.RedactText(err.Error()))
+}
+
+// connectRefusals are the SQLSTATEs with which the server refuses a connection for a reason
+// no retry changes, each with what to do about it.
+var connectRefusals = map[string]string{
+	"28P01": "check the user and password in the database URL",                                  // invalid_password
+	"28000": "check the user name, that the role exists and may log in, and pg_hba.conf",        // invalid_authorization_specification
+	"3D000": "create the database and run `baton migrate`, or fix the database name in the URL", // invalid_catalog_name
+	"42501": "grant the role CONNECT on the database (GRANT CONNECT ON DATABASE ... TO ...)",    // insufficient_privilege
+}
+
+// connectError wraps a failed connection attempt. A refusal no retry changes (connectRefusals:
+// a wrong password, no pg_hba.conf entry, a role or database that does not exist, no CONNECT
+// privilege) is ErrSetup, which Run returns instead of reconnecting forever. Anything else (a
+// refused or dropped connection, a timeout, a server starting up or shutting down, too many
+// connections) may pass and is retried. The errors of the driver and the server name the user
+// and the database, never the password.
+func connectError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		if hint, ok := connectRefusals[pgErr.Code]; ok {
+			return fmt.Errorf("%w: connect to postgres: %w; %s", ErrSetup, err, hint)
+		}
+	}
+	return fmt.Errorf("connect to postgres: %w", err)
+}
 
 // checkDatabase verifies what logical replication of the outbox needs.
 func checkDatabase(ctx context.Context, conn *pgx.Conn, cfg *Config) error {

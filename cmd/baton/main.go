@@ -26,7 +26,8 @@ type command struct {
 	summary string
 	// run parses args (the arguments after the subcommand's name) with a FlagSet of its own,
 	// writes results to stdout and logs to stderr, and returns nil, a usage error (exit 2),
-	// flag.ErrHelp (exit 0) or any other error (printed, exit 1). It returns when ctx ends.
+	// flag.ErrHelp (exit 0), a loggedError (exit 1) or any other error (printed, exit 1). It
+	// returns when ctx ends.
 	run func(ctx context.Context, args []string, stdout, stderr io.Writer) error
 }
 
@@ -73,9 +74,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	err := cmd.run(ctx, rest, stdout, stderr)
 	var usageErr usageError
+	var logged loggedError
 	switch {
 	case err == nil, errors.Is(err, flag.ErrHelp):
 		return 0
+	case errors.As(err, &logged):
+		return 1
 	case errors.As(err, &usageErr):
 		if usageErr.msg != "" {
 			fmt.Fprintf(stderr, "baton %s: %s\n", name, usageErr.msg)
@@ -118,6 +122,13 @@ func (e usageError) Error() string {
 	}
 	return e.msg
 }
+
+// loggedError is a failure the command already logged through its logger, in the configured
+// format: exit code 1, and nothing printed again.
+type loggedError struct{ err error }
+
+func (e loggedError) Error() string { return e.err.Error() }
+func (e loggedError) Unwrap() error { return e.err }
 
 // newFlagSet returns the FlagSet of subcommand name. It prints errors and usage to stderr;
 // description follows the usage line.

@@ -24,7 +24,7 @@ func TestMain(m *testing.M) {
 	// The tests set what they need; the caller's BATON_* configuration must not leak in
 	// (BATON_TEST_* variables stay: they choose the test servers).
 	for _, name := range []string{config.EnvDatabaseURL, config.EnvNATSURL, config.EnvSubjectPrefix,
-		config.EnvSlot, config.EnvPublication, config.EnvMetricsAddr, config.EnvLogLevel, config.EnvLogFormat} {
+		config.EnvSlot, config.EnvPublication, config.EnvMetricsAddr, config.EnvFatalLinger, config.EnvLogLevel, config.EnvLogFormat} {
 		_ = os.Unsetenv(name)
 	}
 	os.Exit(testsvc.Main(m))

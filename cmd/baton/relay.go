@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -22,7 +23,9 @@ func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 <prefix>.turns.<conv> and every reply to <prefix>.outcomes.<conv>, confirming the slot's LSN
 only after JetStream acknowledged. Run two for high availability: one streams, the other
 stands by and takes over when the first goes away. SIGTERM stops reading, waits for
-acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
+acknowledgements (--drain-timeout), confirms and exits 0. After an error no retry can fix
+(a setup problem, a lost slot) it logs the error, keeps serving metrics and health, not
+ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits at once.`, stderr)
 	dupWindow := fs.Duration("dup-window", 2*time.Minute, "JetStream duplicate window for the streams it creates")
 	maxInFlight := fs.Int("max-in-flight", 8192, "events published or queued without a PubAck, at most")
 	drain := fs.Duration("drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for PubAcks")
@@ -32,7 +35,7 @@ acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
 		"with nothing streaming from the slot for this long (its host vanished); takeover takes about\n"+
 		"wal_sender_timeout + this")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
-		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvMetricsAddr)
+		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvMetricsAddr, config.EnvFatalLinger)
 	if err != nil {
 		return err
 	}
@@ -43,7 +46,7 @@ acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
 
 	nc, err := connectNATS(cfg, "baton-relay")
 	if err != nil {
-		return err
+		return reportFailure(log, err, 0)
 	}
 	defer closeNATS(nc)
 
@@ -63,21 +66,35 @@ acknowledgements (--drain-timeout), confirms and exits 0.`, stderr)
 		Registerer:     reg,
 	})
 	if err != nil {
-		return err
+		return reportFailure(log, err, 0)
+	}
+	// Run returns only errors no retry can fix. The process lingers after one so that what
+	// scrapes and probes it sees why (baton_relay_slot_lost, baton_relay_fatal, /readyz not
+	// ready) before it exits and an orchestrator restarts it; with nothing serving, there is
+	// nothing to see.
+	linger := cfg.Linger()
+	if cfg.MetricsAddr == "" {
+		linger = 0
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error {
 		err := r.Run(gctx)
-		if err != nil {
-			return fmt.Errorf("relay: %w", err)
+		if err == nil {
+			return errStopped // stop the metrics server too
 		}
-		return errStopped // stop the metrics server too
+		err = reportFailure(log, fmt.Errorf("relay: %w", err), linger)
+		_ = sleepCtx(gctx, linger) // SIGTERM, or the metrics server failing, ends it early
+		return err
 	})
 	if cfg.MetricsAddr != "" {
 		g.Go(func() error { return opsserver.Serve(gctx, cfg.MetricsAddr, reg, r.Ready) })
 	}
 	if err := g.Wait(); err != nil && !errors.Is(err, errStopped) {
-		return err
+		var logged loggedError
+		if errors.As(err, &logged) {
+			return err
+		}
+		return reportFailure(log, err, 0)
 	}
 	return nil
 }
@@ -106,6 +123,30 @@ var errStopped = errors.New("stopped")
 // lock with it, for that long; past it nats.go drops the connection and reconnects, and the
 // relay replays what was not acknowledged.
 const natsWriteTimeout = 10 * time.Second
+
+// reportFailure logs err once, at ERROR, saying the process exits in exitIn (as text, "2m0s",
+// in every log format), and returns it marked as logged, so that run exits 1 without printing
+// it again.
+func reportFailure(log *slog.Logger, err error, exitIn time.Duration) error {
+	if exitIn > 0 {
+		log.Error("relay cannot continue; serving metrics and health (not ready) until it exits", "error", err, "exit_in", exitIn.String())
+	} else {
+		log.Error("relay cannot continue; exiting", "error", err, "exit_in", exitIn.String())
+	}
+	return loggedError{err: err}
+}
+
+// sleepCtx waits d or until ctx ends.
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
 
 // connectNATS connects with unlimited reconnects: a NATS restart must be survived, not fatal.
 // Errors and logs carry the redacted URL only.

@@ -19,6 +19,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/caarlos0/env/v11"
 
@@ -34,9 +35,13 @@ const (
 	EnvSlot          = "BATON_SLOT"
 	EnvPublication   = "BATON_PUBLICATION"
 	EnvMetricsAddr   = "BATON_METRICS_ADDR"
+	EnvFatalLinger   = "BATON_FATAL_LINGER"
 	EnvLogLevel      = "BATON_LOG_LEVEL"
 	EnvLogFormat     = "BATON_LOG_FORMAT"
 )
+
+// DefaultFatalLinger is FatalLinger's default, as a duration.
+const DefaultFatalLinger = 2 * time.Minute
 
 // Log formats accepted by BATON_LOG_FORMAT.
 const (
@@ -63,6 +68,11 @@ type Config struct {
 	Publication string `env:"BATON_PUBLICATION" envDefault:"baton"`
 	// MetricsAddr is the host:port of the Prometheus /metrics listener. Default: empty (off).
 	MetricsAddr string `env:"BATON_METRICS_ADDR"`
+	// FatalLinger is how long a command that stopped on an error no retry can fix keeps
+	// serving /metrics, /healthz and /readyz (not ready) on MetricsAddr before it exits, so
+	// that scrapes and probes see why: a Go duration (30s, 2m), 0 to exit at once. Without a
+	// MetricsAddr the command exits at once. Default: "2m" (DefaultFatalLinger).
+	FatalLinger string `env:"BATON_FATAL_LINGER" envDefault:"2m"`
 	// LogLevel is debug, info, warn or error (slog level names, any case). Default: "info".
 	LogLevel string `env:"BATON_LOG_LEVEL" envDefault:"info"`
 	// LogFormat is "text" or "json". Default: "text".
@@ -92,6 +102,8 @@ var variables = []variable{
 	{EnvSlot, "replication slot `name` (default baton)", func(c *Config) *string { return &c.Slot }},
 	{EnvPublication, "publication `name` (default baton)", func(c *Config) *string { return &c.Publication }},
 	{EnvMetricsAddr, "metrics listen `addr`ess host:port (default off)", func(c *Config) *string { return &c.MetricsAddr }},
+	{EnvFatalLinger, "after an error no retry can fix, keep serving metrics and health (not ready) for this `duration` before exiting; 0 exits at once (default 2m)",
+		func(c *Config) *string { return &c.FatalLinger }},
 	{EnvLogLevel, "log `level`: debug, info, warn, error (default info)", func(c *Config) *string { return &c.LogLevel }},
 	{EnvLogFormat, "log `format`: text or json (default text)", func(c *Config) *string { return &c.LogFormat }},
 }
@@ -208,6 +220,11 @@ func (c Config) Validate() error {
 			bad(EnvMetricsAddr, "%v (got %q)", err, c.MetricsAddr)
 		}
 	}
+	if d, err := time.ParseDuration(c.FatalLinger); err != nil {
+		bad(EnvFatalLinger, "must be a duration such as 2m or 30s (got %q)", c.FatalLinger)
+	} else if d < 0 {
+		bad(EnvFatalLinger, "must not be negative (got %q)", c.FatalLinger)
+	}
 	if _, err := parseLevel(c.LogLevel); err != nil {
 		bad(EnvLogLevel, "must be debug, info, warn or error (got %q)", c.LogLevel)
 	}
@@ -310,6 +327,15 @@ func (c Config) Level() slog.Level {
 	return l
 }
 
+// Linger returns FatalLinger as a duration; DefaultFatalLinger when FatalLinger is invalid.
+func (c Config) Linger() time.Duration {
+	d, err := time.ParseDuration(c.FatalLinger)
+	if err != nil || d < 0 {
+		return DefaultFatalLinger
+	}
+	return d
+}
+
 // Logger returns a logger writing to w in LogFormat at LogLevel.
 func (c Config) Logger(w io.Writer) *slog.Logger {
 	opts := &slog.HandlerOptions{Level: c.Level()}
@@ -328,6 +354,7 @@ func (c Config) LogValue() slog.Value {
 		slog.String("slot", c.Slot),
 		slog.String("publication", c.Publication),
 		slog.String("metrics_addr", c.MetricsAddr),
+		slog.String("fatal_linger", c.FatalLinger),
 		slog.String("log_level", c.LogLevel),
 		slog.String("log_format", c.LogFormat),
 	)
@@ -335,12 +362,12 @@ func (c Config) LogValue() slog.Value {
 
 // String formats the configuration with passwords redacted, for %v, %+v and %s.
 func (c Config) String() string {
-	return fmt.Sprintf("{DatabaseURL:%s NATSURL:%s SubjectPrefix:%s Slot:%s Publication:%s MetricsAddr:%s LogLevel:%s LogFormat:%s}",
-		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.MetricsAddr, c.LogLevel, c.LogFormat)
+	return fmt.Sprintf("{DatabaseURL:%s NATSURL:%s SubjectPrefix:%s Slot:%s Publication:%s MetricsAddr:%s FatalLinger:%s LogLevel:%s LogFormat:%s}",
+		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.MetricsAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
 }
 
 // GoString formats the configuration with passwords redacted, for %#v.
 func (c Config) GoString() string {
-	return fmt.Sprintf("config.Config{DatabaseURL:%q, NATSURL:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, MetricsAddr:%q, LogLevel:%q, LogFormat:%q}",
-		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.MetricsAddr, c.LogLevel, c.LogFormat)
+	return fmt.Sprintf("config.Config{DatabaseURL:%q, NATSURL:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, MetricsAddr:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q}",
+		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.MetricsAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
 }

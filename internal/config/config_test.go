@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caarlos0/env/v11"
 	"github.com/stretchr/testify/require"
@@ -23,7 +24,7 @@ func clearEnv(t *testing.T) {
 }
 
 func defaults() Config {
-	return Config{SubjectPrefix: "agent", Slot: "baton", Publication: "baton", LogLevel: "info", LogFormat: "text"}
+	return Config{SubjectPrefix: "agent", Slot: "baton", Publication: "baton", FatalLinger: "2m", LogLevel: "info", LogFormat: "text"}
 }
 
 func TestLoad(t *testing.T) {
@@ -43,6 +44,7 @@ func TestLoad(t *testing.T) {
 				EnvSlot:          "baton_2",
 				EnvPublication:   "_baton2",
 				EnvMetricsAddr:   ":9090",
+				EnvFatalLinger:   "30s",
 				EnvLogLevel:      "DEBUG",
 				EnvLogFormat:     "json",
 			},
@@ -53,6 +55,7 @@ func TestLoad(t *testing.T) {
 				c.Slot = "baton_2"
 				c.Publication = "_baton2"
 				c.MetricsAddr = ":9090"
+				c.FatalLinger = "30s"
 				c.LogLevel = "DEBUG"
 				c.LogFormat = "json"
 			},
@@ -71,6 +74,10 @@ func TestLoad(t *testing.T) {
 			want: func(c *Config) { c.MetricsAddr = "127.0.0.1:0" }},
 		{name: "warn level", env: map[string]string{EnvLogLevel: "warn"},
 			want: func(c *Config) { c.LogLevel = "warn" }},
+		{name: "no linger", env: map[string]string{EnvFatalLinger: "0"},
+			want: func(c *Config) { c.FatalLinger = "0" }},
+		{name: "linger in hours", env: map[string]string{EnvFatalLinger: "1h30m"},
+			want: func(c *Config) { c.FatalLinger = "1h30m" }},
 
 		{name: "slot with capitals", env: map[string]string{EnvSlot: "Baton"},
 			errs: []string{`BATON_SLOT: must match ^[a-z0-9_]{1,63}$ (got "Baton")`}},
@@ -88,6 +95,11 @@ func TestLoad(t *testing.T) {
 		{name: "metrics without port", env: map[string]string{EnvMetricsAddr: "localhost"},
 			errs: []string{`BATON_METRICS_ADDR: must be host:port or :port (got "localhost")`}},
 		{name: "metrics port out of range", env: map[string]string{EnvMetricsAddr: ":99999"}, errs: []string{"BATON_METRICS_ADDR: port must be"}},
+		{name: "linger not a duration", env: map[string]string{EnvFatalLinger: "2 minutes"},
+			errs: []string{`BATON_FATAL_LINGER: must be a duration such as 2m or 30s (got "2 minutes")`}},
+		{name: "linger without unit", env: map[string]string{EnvFatalLinger: "120"}, errs: []string{"BATON_FATAL_LINGER: must be a duration"}},
+		{name: "negative linger", env: map[string]string{EnvFatalLinger: "-1s"},
+			errs: []string{`BATON_FATAL_LINGER: must not be negative (got "-1s")`}},
 		{name: "unknown level", env: map[string]string{EnvLogLevel: "loud"},
 			errs: []string{`BATON_LOG_LEVEL: must be debug, info, warn or error (got "loud")`}},
 		{name: "unknown format", env: map[string]string{EnvLogFormat: "logfmt"},
@@ -249,6 +261,16 @@ func TestSecretsNeverReachOutput(t *testing.T) {
 	}
 	require.Contains(t, logs.String(), "config.database_url=")
 	require.Contains(t, logs.String(), `"nats_url":"nats://xxxxx@n1:4222,nats://user:xxxxx@n2:4222"`)
+}
+
+func TestLinger(t *testing.T) {
+	clearEnv(t)
+	c, err := FromEnv()
+	require.NoError(t, err)
+	require.Equal(t, DefaultFatalLinger, c.Linger(), "the variable's default is DefaultFatalLinger")
+	require.Equal(t, 90*time.Second, Config{FatalLinger: "90s"}.Linger())
+	require.Equal(t, time.Duration(0), Config{FatalLinger: "0s"}.Linger())
+	require.Equal(t, DefaultFatalLinger, Config{FatalLinger: "soon"}.Linger())
 }
 
 func TestLogger(t *testing.T) {
