@@ -55,7 +55,13 @@ func TestSessionStartTakesTheSlotPosition(t *testing.T) {
 	stop()
 	require.NoError(t, <-done)
 
-	// The restore: the slot goes back to the backup's position, the stream to empty.
+	// The restore: the slot goes back to the backup's position, the stream to empty. The
+	// relay's walsender may still be exiting after Run returned: the slot is busy until then.
+	require.Eventually(t, func() bool {
+		var active bool
+		err := b.db.Pool.QueryRow(ctx, `SELECT active FROM pg_replication_slots WHERE slot_name = $1`, b.cfg.Slot).Scan(&active)
+		return err == nil && !active
+	}, 30*time.Second, 10*time.Millisecond, "the stopped relay's walsender never released the slot")
 	_, err = b.db.Pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, b.cfg.Slot)
 	require.NoError(t, err)
 	_, err = b.db.Pool.Exec(ctx, `SELECT pg_copy_logical_replication_slot($1, $2)`, backup, b.cfg.Slot)
