@@ -12,8 +12,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/batonhq/baton/internal/subject"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // Config configures a Worker. Zero values take the defaults named on each field.
@@ -103,11 +103,11 @@ func (c *Config) fill() error {
 	if c.SubjectPrefix == "" {
 		c.SubjectPrefix = "agent"
 	}
-	if err := subject.ValidatePrefix(c.SubjectPrefix); err != nil {
+	if err := wire.ValidatePrefix(c.SubjectPrefix); err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	if c.Stream == "" {
-		c.Stream = relay.StreamName(c.SubjectPrefix, subject.KindTurns)
+		c.Stream = relay.StreamName(c.SubjectPrefix, wire.KindTurns)
 	}
 	if c.Durable == "" {
 		c.Durable = "baton-workers"

@@ -12,8 +12,8 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/batonhq/baton/internal/subject"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // consumeJetStream feeds turn events from the durable consumer to the conversation loops
@@ -40,7 +40,7 @@ func (w *Worker) consumeJetStream(ctx context.Context) error {
 	cons, err := stream.CreateOrUpdateConsumer(ctx, jetstream.ConsumerConfig{
 		Durable:       w.cfg.Durable,
 		Description:   "Baton workers",
-		FilterSubject: subject.StreamFilter(w.cfg.SubjectPrefix, subject.KindTurns),
+		FilterSubject: wire.StreamFilter(w.cfg.SubjectPrefix, wire.KindTurns),
 		AckPolicy:     jetstream.AckExplicitPolicy,
 		AckWait:       w.cfg.AckWait,
 		MaxDeliver:    -1, // attempts are capped in Postgres, not by redeliveries

@@ -42,9 +42,9 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/batonhq/baton/internal/subject"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 const (
@@ -513,7 +513,7 @@ func newPlainRelay(tb testing.TB, e *benchEnv, name string, window int) *plainRe
 	tb.Helper()
 	pr := &plainRelay{prefix: strings.ToLower(name), cols: map[*pglogrepl.RelationMessage][6]int{}}
 	if _, err := e.js.CreateStream(context.Background(), jetstream.StreamConfig{
-		Name: strings.ToUpper(name), Subjects: []string{subject.StreamFilter(pr.prefix, subject.KindTurns)},
+		Name: strings.ToUpper(name), Subjects: []string{wire.StreamFilter(pr.prefix, wire.KindTurns)},
 		Storage: jetstream.FileStorage, Duplicates: 2 * time.Minute, MaxMsgs: -1, MaxBytes: -1,
 	}); err != nil {
 		tb.Fatal(err)
@@ -554,7 +554,7 @@ func (pr *plainRelay) publish(rel *pglogrepl.RelationMessage, ins *pglogrepl.Ins
 	ev.ConversationID, ev.MessageID, ev.Status = col(1), col(2), col(3)
 	ev.Attempts, _ = strconv.Atoi(col(4))
 	ev.CreatedAt, _ = time.Parse("2006-01-02 15:04:05.999999999-07", col(5))
-	subj, err := subject.Turns(pr.prefix, ev.ConversationID)
+	subj, err := wire.TurnSubject(pr.prefix, ev.ConversationID)
 	if err != nil {
 		return err
 	}
@@ -611,7 +611,7 @@ func plainCatchUp(tb testing.TB, e *benchEnv, slot, stream string, want int) tim
 // turnLikeMsg builds a message shaped like the relay's turn event of outbox row id: same
 // subject form, the same headers (Nats-Msg-Id among them), a JSON body of ~180 B.
 func turnLikeMsg(prefix string, id int64, conv string, at time.Time) *nats.Msg {
-	subj, err := subject.Turns(prefix, conv)
+	subj, err := wire.TurnSubject(prefix, conv)
 	if err != nil {
 		panic(err)
 	}
@@ -634,7 +634,7 @@ func barePublish(tb testing.TB, e *benchEnv, name string, n, window int) time.Du
 	defer cancel()
 	prefix := strings.ToLower(name)
 	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
-		Name: strings.ToUpper(name), Subjects: []string{subject.StreamFilter(prefix, subject.KindTurns)},
+		Name: strings.ToUpper(name), Subjects: []string{wire.StreamFilter(prefix, wire.KindTurns)},
 		Storage: jetstream.FileStorage, Duplicates: 2 * time.Minute, MaxMsgs: -1, MaxBytes: -1,
 	}); err != nil {
 		tb.Fatal(err)
@@ -781,7 +781,7 @@ func benchCatchUp(b *testing.B, rowsPerTx, rounds int) {
 // events and confirmed end, and returns its figures. The benchmark timer runs meanwhile.
 func catchUpOnce(b *testing.B, ctx context.Context, e *benchEnv, slot, prefix string, end pglogrepl.LSN) catchUpRound {
 	b.Helper()
-	stream := relay.StreamName(prefix, subject.KindTurns)
+	stream := relay.StreamName(prefix, wire.KindTurns)
 	b.StartTimer()
 	p := startBenchProcess(b, e, "BATON_SLOT="+slot, "BATON_SUBJECT_PREFIX="+prefix)
 	p.waitStreaming(b)

@@ -11,7 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/batonhq/baton/internal/pgname"
-	"github.com/batonhq/baton/internal/subject"
+	"github.com/batonhq/baton/wire"
 )
 
 // Config configures a Relay. Zero values take the defaults named on each field.
@@ -132,7 +132,7 @@ func (c *Config) fill() error {
 	def(&c.Slot, "baton")
 	def(&c.Publication, "baton")
 	def(&c.Schema, "public")
-	if err := subject.ValidatePrefix(c.SubjectPrefix); err != nil {
+	if err := wire.ValidatePrefix(c.SubjectPrefix); err != nil {
 		return fmt.Errorf("%w: subject prefix: %w", ErrConfig, err)
 	}
 	if err := pgname.Slot(c.Slot); err != nil {
@@ -141,9 +141,9 @@ func (c *Config) fill() error {
 	if err := pgname.Publication(c.Publication); err != nil {
 		return fmt.Errorf("%w: publication %w", ErrConfig, err)
 	}
-	def(&c.TurnsStream, StreamName(c.SubjectPrefix, subject.KindTurns))
-	def(&c.OutcomesStream, StreamName(c.SubjectPrefix, subject.KindOutcomes))
-	def(&c.DeadLetterStream, StreamName(c.SubjectPrefix, subject.KindDeadLetter))
+	def(&c.TurnsStream, StreamName(c.SubjectPrefix, wire.KindTurns))
+	def(&c.OutcomesStream, StreamName(c.SubjectPrefix, wire.KindOutcomes))
+	def(&c.DeadLetterStream, StreamName(c.SubjectPrefix, wire.KindDeadLetter))
 	if c.DeadLetterMaxAge <= 0 {
 		c.DeadLetterMaxAge = DefaultDeadLetterMaxAge
 	}

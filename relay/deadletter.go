@@ -8,7 +8,7 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/nats-io/nats.go"
 
-	"github.com/batonhq/baton/internal/subject"
+	"github.com/batonhq/baton/wire"
 )
 
 // Kinds of change the relay sets aside, the last token of their dead-letter subject
@@ -81,7 +81,7 @@ func deadLetterMsgWithID(prefix, msgID, kind, table, reason string, lsn pglogrep
 	}
 	rec := DeadLetter{LSN: lsn.String(), Kind: kind, Table: table, Reason: reason, RawBytes: len(raw)}
 	rec.Raw = raw[:min(len(raw), MaxDeadLetterRaw)]
-	m := nats.NewMsg(prefix + "." + subject.KindDeadLetter + "." + kind)
+	m := nats.NewMsg(prefix + "." + wire.KindDeadLetter + "." + kind)
 	m.Header.Set(nats.MsgIdHdr, msgID)
 	for {
 		body, err := json.Marshal(rec)

@@ -12,7 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/batonhq/baton/internal/subject"
+	"github.com/batonhq/baton/wire"
 )
 
 // Headers every event carries. HeaderConversationID and HeaderMessageID carry HeaderID of the
@@ -161,7 +161,7 @@ func ParseHeaderID(v string) (string, error) {
 // turnMsg builds the turn event of an outbox row. The body is what json.Marshal(row) gives,
 // written by hand: this runs once per row on the relay's hot path.
 func turnMsg(prefix string, row TurnEvent) (*nats.Msg, error) {
-	subj, err := subject.Turns(prefix, row.ConversationID)
+	subj, err := wire.TurnSubject(prefix, row.ConversationID)
 	if err != nil {
 		return nil, fmt.Errorf("turn event for outbox %d: %w", row.OutboxID, err)
 	}
@@ -251,7 +251,7 @@ func appendJSONString(b []byte, s string) []byte {
 // content and ids (an absurdly small max payload) is an error wrapping errOutcomeTooLarge:
 // publishing it could only fail with ErrMaxPayload on every retry.
 func outcomeMsg(prefix string, ev OutcomeEvent, maxPayload int) (*nats.Msg, error) {
-	subj, err := subject.Outcomes(prefix, ev.ConversationID)
+	subj, err := wire.OutcomeSubject(prefix, ev.ConversationID)
 	if err != nil {
 		return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
 	}

@@ -19,9 +19,9 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
-	"github.com/batonhq/baton/internal/subject"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 func TestMain(m *testing.M) { os.Exit(testsvc.MainNoLeaks(m)) }
@@ -233,7 +233,7 @@ func TestRelaysTenThousandRowsInOrder(t *testing.T) {
 	require.Equal(t, ev.ConversationID, m.header.Get(relay.HeaderConversationID))
 	require.Equal(t, ev.MessageID, m.header.Get(relay.HeaderMessageID))
 	require.Equal(t, relay.TurnMsgID(id), m.header.Get(nats.MsgIdHdr))
-	wantSubj, _ := subject.Turns("agent", ev.ConversationID)
+	wantSubj, _ := wire.TurnSubject("agent", ev.ConversationID)
 	require.Equal(t, wantSubj, m.subject)
 	require.NotContains(t, string(m.data), "hello", "the turn event carries no message content")
 
@@ -358,9 +358,9 @@ func TestHostileConversationIDs(t *testing.T) {
 		var ev relay.TurnEvent
 		require.NoError(t, json.Unmarshal(m.data, &ev))
 		require.Equal(t, want[ev.OutboxID], ev.ConversationID, "body carries the exact id")
-		kind, conv, err := subject.Parse("agent", m.subject)
+		kind, conv, err := wire.ParseSubject("agent", m.subject)
 		require.NoError(t, err, "subject %q", m.subject)
-		require.Equal(t, subject.KindTurns, kind)
+		require.Equal(t, wire.KindTurns, kind)
 		require.Equal(t, ev.ConversationID, conv, "subject %q decodes to its own conversation", m.subject)
 		prev, dup := subjects[m.subject]
 		require.False(t, dup, "conversations %q and %q share subject %q", prev, conv, m.subject)
@@ -371,7 +371,7 @@ func TestHostileConversationIDs(t *testing.T) {
 	s, err := b.js.Stream(ctx, "AGENT_TURNS")
 	require.NoError(t, err)
 	for _, c := range hostile {
-		subj, err := subject.Turns("agent", c)
+		subj, err := wire.TurnSubject("agent", c)
 		require.NoError(t, err)
 		cons, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{FilterSubjects: []string{subj}})
 		require.NoError(t, err)

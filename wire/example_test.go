@@ -1,14 +1,14 @@
-package subject_test
+package wire_test
 
 import (
 	"fmt"
 
-	"github.com/batonhq/baton/internal/subject"
+	"github.com/batonhq/baton/wire"
 )
 
-func ExampleTurns() {
+func ExampleTurnSubject() {
 	for _, id := range []string{"conv-42", "a.b", "*", "~abc"} {
-		subj, err := subject.Turns("agent", id)
+		subj, err := wire.TurnSubject("agent", id)
 		if err != nil {
 			fmt.Println(err)
 			continue
@@ -22,8 +22,8 @@ func ExampleTurns() {
 	// agent.turns.~fmFiYw
 }
 
-func ExampleParse() {
-	kind, id, err := subject.Parse("agent", "agent.outcomes.~YS5i")
+func ExampleParseSubject() {
+	kind, id, err := wire.ParseSubject("agent", "agent.outcomes.~YS5i")
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -33,6 +33,6 @@ func ExampleParse() {
 }
 
 func ExampleStreamFilter() {
-	fmt.Println(subject.StreamFilter("agent", subject.KindTurns))
+	fmt.Println(wire.StreamFilter("agent", wire.KindTurns))
 	// Output: agent.turns.>
 }
