@@ -12,7 +12,6 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/batonhq/baton/relay"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -101,13 +100,13 @@ func (c *Config) fill() error {
 		return fmt.Errorf("%w: Handler is required", ErrConfig)
 	}
 	if c.SubjectPrefix == "" {
-		c.SubjectPrefix = "agent"
+		c.SubjectPrefix = wire.DefaultSubjectPrefix
 	}
 	if err := wire.ValidatePrefix(c.SubjectPrefix); err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	if c.Stream == "" {
-		c.Stream = relay.StreamName(c.SubjectPrefix, wire.KindTurns)
+		c.Stream = wire.StreamName(c.SubjectPrefix, wire.KindTurns)
 	}
 	if c.Durable == "" {
 		c.Durable = "baton-workers"

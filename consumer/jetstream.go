@@ -12,7 +12,6 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/batonhq/baton/relay"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -66,8 +65,8 @@ func (w *Worker) consumeJetStream(ctx context.Context) error {
 }
 
 func (w *Worker) onEvent(ctx context.Context, msg jetstream.Msg) {
-	id, err := strconv.ParseInt(msg.Headers().Get(relay.HeaderOutboxID), 10, 64)
-	var ev relay.TurnEvent
+	id, err := strconv.ParseInt(msg.Headers().Get(wire.HeaderOutboxID), 10, 64)
+	var ev wire.TurnEvent
 	if err == nil {
 		err = json.Unmarshal(msg.Data(), &ev)
 	}

@@ -522,7 +522,7 @@ func newPlainRelay(tb testing.TB, e *benchEnv, name string, window int) *plainRe
 		jetstream.WithPublishAsyncErrHandler(func(jetstream.JetStream, *nats.Msg, error) { pr.failed.Add(1) }),
 		jetstream.WithPublishAsyncAckHandler(func(_ jetstream.JetStream, m *nats.Msg, _ *jetstream.PubAck) {
 			if pr.onAck != nil {
-				id, _ := strconv.ParseInt(m.Header.Get(relay.HeaderOutboxID), 10, 64)
+				id, _ := strconv.ParseInt(m.Header.Get(wire.HeaderOutboxID), 10, 64)
 				pr.onAck(id)
 			}
 		}))
@@ -549,7 +549,7 @@ func (pr *plainRelay) publish(rel *pglogrepl.RelationMessage, ins *pglogrepl.Ins
 		pr.cols[rel] = idx
 	}
 	col := func(i int) string { return string(ins.Tuple.Columns[idx[i]].Data) }
-	var ev relay.TurnEvent
+	var ev wire.TurnEvent
 	ev.OutboxID, _ = strconv.ParseInt(col(0), 10, 64)
 	ev.ConversationID, ev.MessageID, ev.Status = col(1), col(2), col(3)
 	ev.Attempts, _ = strconv.Atoi(col(4))
@@ -560,10 +560,10 @@ func (pr *plainRelay) publish(rel *pglogrepl.RelationMessage, ins *pglogrepl.Ins
 	}
 	m := nats.NewMsg(subj)
 	m.Data, _ = json.Marshal(ev)
-	m.Header.Set(nats.MsgIdHdr, relay.TurnMsgID(ev.OutboxID))
-	m.Header.Set(relay.HeaderOutboxID, strconv.FormatInt(ev.OutboxID, 10))
-	m.Header.Set(relay.HeaderConversationID, ev.ConversationID)
-	m.Header.Set(relay.HeaderMessageID, ev.MessageID)
+	m.Header.Set(nats.MsgIdHdr, wire.TurnMsgID(ev.OutboxID))
+	m.Header.Set(wire.HeaderOutboxID, strconv.FormatInt(ev.OutboxID, 10))
+	m.Header.Set(wire.HeaderConversationID, ev.ConversationID)
+	m.Header.Set(wire.HeaderMessageID, ev.MessageID)
 	_, err = pr.js.PublishMsgAsync(m, jetstream.WithStallWait(time.Minute))
 	return err
 }
@@ -615,14 +615,14 @@ func turnLikeMsg(prefix string, id int64, conv string, at time.Time) *nats.Msg {
 	if err != nil {
 		panic(err)
 	}
-	body, _ := json.Marshal(relay.TurnEvent{OutboxID: id, ConversationID: conv, MessageID: fmt.Sprintf("w0-%d", id),
+	body, _ := json.Marshal(wire.TurnEvent{OutboxID: id, ConversationID: conv, MessageID: fmt.Sprintf("w0-%d", id),
 		Status: "pending", CreatedAt: at})
 	m := nats.NewMsg(subj)
 	m.Data = body
-	m.Header.Set(nats.MsgIdHdr, relay.TurnMsgID(id))
-	m.Header.Set(relay.HeaderOutboxID, strconv.FormatInt(id, 10))
-	m.Header.Set(relay.HeaderConversationID, conv)
-	m.Header.Set(relay.HeaderMessageID, fmt.Sprintf("w0-%d", id))
+	m.Header.Set(nats.MsgIdHdr, wire.TurnMsgID(id))
+	m.Header.Set(wire.HeaderOutboxID, strconv.FormatInt(id, 10))
+	m.Header.Set(wire.HeaderConversationID, conv)
+	m.Header.Set(wire.HeaderMessageID, fmt.Sprintf("w0-%d", id))
 	return m
 }
 
@@ -781,7 +781,7 @@ func benchCatchUp(b *testing.B, rowsPerTx, rounds int) {
 // events and confirmed end, and returns its figures. The benchmark timer runs meanwhile.
 func catchUpOnce(b *testing.B, ctx context.Context, e *benchEnv, slot, prefix string, end pglogrepl.LSN) catchUpRound {
 	b.Helper()
-	stream := relay.StreamName(prefix, wire.KindTurns)
+	stream := wire.StreamName(prefix, wire.KindTurns)
 	b.StartTimer()
 	p := startBenchProcess(b, e, "BATON_SLOT="+slot, "BATON_SUBJECT_PREFIX="+prefix)
 	p.waitStreaming(b)
@@ -1119,7 +1119,7 @@ func collectStored(tb testing.TB, e *benchEnv, stream string) *storedCollector {
 		if err != nil {
 			return
 		}
-		id, _ := strconv.ParseInt(m.Headers().Get(relay.HeaderOutboxID), 10, 64)
+		id, _ := strconv.ParseInt(m.Headers().Get(wire.HeaderOutboxID), 10, 64)
 		c.mu.Lock()
 		c.stored[id], c.recv[id] = md.Timestamp, now
 		c.mu.Unlock()

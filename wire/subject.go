@@ -215,3 +215,22 @@ func ParseSubject(prefix, subject string) (kind string, conversationID string, e
 func StreamFilter(prefix, kind string) string {
 	return prefix + "." + kind + ".>"
 }
+
+// DefaultSubjectPrefix is the subject prefix Baton uses when none is configured
+// (BATON_SUBJECT_PREFIX): subjects agent.turns.<conv>, streams AGENT_TURNS.
+const DefaultSubjectPrefix = "agent"
+
+// StreamName returns the default stream name for a subject prefix and kind: "agent", "turns"
+// gives "AGENT_TURNS". The prefix is upper-cased, with dots and dashes as underscores.
+func StreamName(prefix, kind string) string {
+	b := []byte(prefix + "_" + kind)
+	for i, c := range b {
+		switch {
+		case c >= 'a' && c <= 'z':
+			b[i] = c - 'a' + 'A'
+		case c == '.' || c == '-':
+			b[i] = '_'
+		}
+	}
+	return string(b)
+}

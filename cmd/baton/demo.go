@@ -291,8 +291,8 @@ func (d *demo) run(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	d.stream = relay.StreamName(cfg.SubjectPrefix, wire.KindTurns)
-	d.outcomes = relay.StreamName(cfg.SubjectPrefix, wire.KindOutcomes)
+	d.stream = wire.StreamName(cfg.SubjectPrefix, wire.KindTurns)
+	d.outcomes = wire.StreamName(cfg.SubjectPrefix, wire.KindOutcomes)
 	prod, err := producer.New(producer.Config{Logger: d.log})
 	if err != nil {
 		return err
@@ -556,7 +556,7 @@ func storedAt(m jetstream.Msg) time.Time {
 
 // onTurn counts a turn event of this run.
 func (d *demo) onTurn(m jetstream.Msg) {
-	var ev relay.TurnEvent
+	var ev wire.TurnEvent
 	if err := json.Unmarshal(m.Data(), &ev); err != nil {
 		d.log.Warn("undecodable turn event", "subject", m.Subject(), "error", err)
 		return
@@ -570,7 +570,7 @@ func (d *demo) onTurn(m jetstream.Msg) {
 // onOutcome is the outcome subscriber: like examples/subscriber it dedupes by message id, and
 // it maps each outcome to the sent messages it answers by the outbox ids it names.
 func (d *demo) onOutcome(m jetstream.Msg) {
-	var ev relay.OutcomeEvent
+	var ev wire.OutcomeEvent
 	if err := json.Unmarshal(m.Data(), &ev); err != nil || ev.MessageID == "" {
 		d.log.Warn("undecodable outcome event", "subject", m.Subject(), "error", err)
 		return

@@ -429,8 +429,8 @@ func TestRolesRelay(t *testing.T) {
 		}
 		return info.State.Msgs
 	}
-	turns := relay.StreamName(prefix, wire.KindTurns)
-	outcomes := relay.StreamName(prefix, wire.KindOutcomes)
+	turns := wire.StreamName(prefix, wire.KindTurns)
+	outcomes := wire.StreamName(prefix, wire.KindOutcomes)
 	require.Eventually(t, func() bool { return count(turns) == 2 && count(outcomes) == 1 },
 		30*time.Second, 20*time.Millisecond, "turns and outcomes published by the relay role")
 
