@@ -8,17 +8,25 @@ import (
 	"time"
 )
 
-// Headers every event carries. HeaderConversationID and HeaderMessageID carry HeaderID of the
+// Headers of turn and outcome events. HeaderConversationID and HeaderMessageID carry HeaderID of the
 // id: the id itself when it is printable ASCII without spaces and does not start with "~",
 // otherwise "~" followed by the unpadded base64url of its bytes (ParseHeaderID reverses it).
 // Distinct ids always get distinct values, which survive nats.go unchanged (it trims header
 // values and turns CR and LF into spaces), so a hostile id can neither break the header block
 // nor pass for another id. The JSON body always carries the exact ids.
 const (
-	HeaderOutboxID       = "Baton-Outbox-Id"
+	// HeaderOutboxID is, on a turn event, the outbox row's id in decimal; on an outcome, the
+	// outbox rows the reply answers, when the worker announced them: the first
+	// MaxHeaderOutboxIDs ids, comma-separated.
+	HeaderOutboxID = "Baton-Outbox-Id"
+	// HeaderConversationID is HeaderID of the conversation id.
 	HeaderConversationID = "Baton-Conversation-Id"
-	HeaderMessageID      = "Baton-Message-Id"
-	HeaderRole           = "Baton-Role"
+	// HeaderMessageID is HeaderID of the message id: the user's message on a turn event, the
+	// reply or error message on an outcome.
+	HeaderMessageID = "Baton-Message-Id"
+	// HeaderRole is, on an outcome, the message's role: "assistant" (a reply) or "error" (a
+	// visible failure).
+	HeaderRole = "Baton-Role"
 	// HeaderContentOmitted is "true" on an outcome whose content did not fit the server's max
 	// payload; read the content from the messages table by id.
 	HeaderContentOmitted = "Baton-Content-Omitted"
@@ -59,8 +67,9 @@ type TurnEvent struct {
 type OutcomeEvent struct {
 	MessageID      string `json:"message_id"`
 	ConversationID string `json:"conversation_id"`
-	Role           string `json:"role"`
-	Content        string `json:"content,omitempty"`
+	// Role is "assistant" (a reply) or "error" (a visible failure).
+	Role    string `json:"role"`
+	Content string `json:"content,omitempty"`
 	// ContentOmitted is true when the content did not fit the server's max payload; ContentBytes
 	// still gives its size.
 	ContentOmitted bool      `json:"content_omitted,omitempty"`
