@@ -19,7 +19,7 @@ import (
 	"github.com/batonhq/baton/consumer"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/producer"
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 func TestAlwaysFailingHandlerEndsInOneVisibleError(t *testing.T) {
@@ -278,7 +278,7 @@ func (b *bundle) requireAllAcked() {
 	require.NoError(b.t, err)
 	ctx := context.Background()
 	require.Eventually(b.t, func() bool {
-		c, err := js.Consumer(ctx, relay.StreamName("agent", "turns"), "baton-workers")
+		c, err := js.Consumer(ctx, wire.StreamName("agent", "turns"), "baton-workers")
 		if err != nil {
 			return false
 		}
@@ -388,8 +388,8 @@ func TestEventBeforeItsRowIsVisible(t *testing.T) {
 	ctx := context.Background()
 	// The event of outbox row 1000, published before the row exists.
 	m := nats.NewMsg("agent.turns.c")
-	m.Header.Set(relay.HeaderOutboxID, "1000")
-	m.Header.Set(nats.MsgIdHdr, relay.TurnMsgID(1000))
+	m.Header.Set(wire.HeaderOutboxID, "1000")
+	m.Header.Set(nats.MsgIdHdr, wire.TurnMsgID(1000))
 	m.Data = []byte(`{"outbox_id":1000,"conversation_id":"c","message_id":"m1000","status":"pending","attempts":0,"created_at":"2026-11-30T00:00:00Z"}`)
 	_, err = js.PublishMsg(ctx, m)
 	require.NoError(t, err)

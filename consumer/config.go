@@ -12,8 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/batonhq/baton/internal/subject"
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // Config configures a Worker. Zero values take the defaults named on each field.
@@ -101,13 +100,13 @@ func (c *Config) fill() error {
 		return fmt.Errorf("%w: Handler is required", ErrConfig)
 	}
 	if c.SubjectPrefix == "" {
-		c.SubjectPrefix = "agent"
+		c.SubjectPrefix = wire.DefaultSubjectPrefix
 	}
-	if err := subject.ValidatePrefix(c.SubjectPrefix); err != nil {
+	if err := wire.ValidatePrefix(c.SubjectPrefix); err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	if c.Stream == "" {
-		c.Stream = relay.StreamName(c.SubjectPrefix, subject.KindTurns)
+		c.Stream = wire.StreamName(c.SubjectPrefix, wire.KindTurns)
 	}
 	if c.Durable == "" {
 		c.Durable = "baton-workers"

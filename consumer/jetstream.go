@@ -12,8 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/batonhq/baton/internal/subject"
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // consumeJetStream feeds turn events from the durable consumer to the conversation loops
@@ -40,7 +39,7 @@ func (w *Worker) consumeJetStream(ctx context.Context) error {
 	cons, err := stream.CreateOrUpdateConsumer(ctx, jetstream.ConsumerConfig{
 		Durable:       w.cfg.Durable,
 		Description:   "Baton workers",
-		FilterSubject: subject.StreamFilter(w.cfg.SubjectPrefix, subject.KindTurns),
+		FilterSubject: wire.StreamFilter(w.cfg.SubjectPrefix, wire.KindTurns),
 		AckPolicy:     jetstream.AckExplicitPolicy,
 		AckWait:       w.cfg.AckWait,
 		MaxDeliver:    -1, // attempts are capped in Postgres, not by redeliveries
@@ -66,8 +65,8 @@ func (w *Worker) consumeJetStream(ctx context.Context) error {
 }
 
 func (w *Worker) onEvent(ctx context.Context, msg jetstream.Msg) {
-	id, err := strconv.ParseInt(msg.Headers().Get(relay.HeaderOutboxID), 10, 64)
-	var ev relay.TurnEvent
+	id, err := strconv.ParseInt(msg.Headers().Get(wire.HeaderOutboxID), 10, 64)
+	var ev wire.TurnEvent
 	if err == nil {
 		err = json.Unmarshal(msg.Data(), &ev)
 	}

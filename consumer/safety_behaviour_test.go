@@ -15,7 +15,7 @@ import (
 
 	"github.com/batonhq/baton/consumer"
 	"github.com/batonhq/baton/internal/testsvc"
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // Defect 1: a write tool that returned an error may still have had its effect (a timeout
@@ -165,7 +165,7 @@ func TestForgedEventWithUnstorableConversationID(t *testing.T) {
 	js, err := jetstream.New(b.nc)
 	require.NoError(t, err)
 	m := nats.NewMsg("agent.turns.forged")
-	m.Header.Set(relay.HeaderOutboxID, "77")
+	m.Header.Set(wire.HeaderOutboxID, "77")
 	m.Data = []byte(`{"outbox_id":77,"conversation_id":"a\u0000b","message_id":"x","status":"pending","created_at":"2026-11-30T00:00:00Z"}`)
 	_, err = js.PublishMsg(context.Background(), m)
 	require.NoError(t, err)

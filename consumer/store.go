@@ -16,7 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // store holds the SQL of claims, leases, final commits and recovery. Every statement that
@@ -545,7 +545,7 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 	}
 	batch := &pgx.Batch{}
 	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
-	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, relay.AnswersPrefix, counts)
+	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, wire.AnswersPrefix, counts)
 	err := q.SendBatch(ctx, batch).Close()
 	var pgErr *pgconn.PgError
 	switch {

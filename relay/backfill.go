@@ -7,6 +7,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/batonhq/baton/wire"
 )
 
 // scanOutboxText scans a row of the backfill's query (id, then conversation_id, message_id,
@@ -30,7 +32,7 @@ func scanOutboxText(rows pgx.Rows) (int64, *outboxText, error) {
 // set aside as the stream sets aside the same row, and the backfill carries on. Failing on it
 // instead would end every session at the same row and the relay would never stream. The record
 // has no WAL position (LSN 0/0), carries the row's columns as JSON in Raw, and its Nats-Msg-Id
-// is DeadLetterBackfillMsgID of the row: one per row, deduplicated when a backfill runs again.
+// is wire.DeadLetterBackfillMsgID of the row: one per row, deduplicated when a backfill runs again.
 // The row stays in Postgres with its status, for the workers' sweep.
 func backfillItem(prefix, table string, maxPayload int, id int64, row *outboxText) item {
 	msg, err := row.turn(prefix, maxPayload)
@@ -44,8 +46,8 @@ func backfillItem(prefix, table string, maxPayload int, id int64, row *outboxTex
 	reason := err.Error()
 	return item{
 		kind:       itemEvent,
-		msg:        deadLetterMsgWithID(prefix, DeadLetterBackfillMsgID(id), DeadLetterTurn, table, reason, 0, raw, maxPayload),
-		deadLetter: DeadLetterTurn,
+		msg:        deadLetterMsgWithID(prefix, wire.DeadLetterBackfillMsgID(id), wire.DeadLetterTurn, table, reason, 0, raw, maxPayload),
+		deadLetter: wire.DeadLetterTurn,
 		reason:     reason,
 	}
 }

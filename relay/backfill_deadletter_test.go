@@ -12,7 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // No poison loop in the first-start backfill: an unfinished outbox row that cannot become a
@@ -96,7 +96,7 @@ func TestBackfillDeadLettersRowsItCannotPublish(t *testing.T) {
 	turns := b.readStream(t, "AGENT_TURNS")
 	assertExactlyOnceInOrder(t, turns, want)
 	for _, m := range turns {
-		var ev relay.TurnEvent
+		var ev wire.TurnEvent
 		require.NoError(t, json.Unmarshal(m.data, &ev), "every published created_at is RFC 3339: %s", m.data)
 	}
 
@@ -106,7 +106,7 @@ func TestBackfillDeadLettersRowsItCannotPublish(t *testing.T) {
 		var rec deadLetterRecord
 		require.NoError(t, json.Unmarshal(m.data, &rec))
 		require.Equal(t, "agent.deadletter.turn", m.subject)
-		require.Equal(t, relay.DeadLetterTurn, rec.Kind)
+		require.Equal(t, wire.DeadLetterTurn, rec.Kind)
 		require.Equal(t, "public.agent_outbox", rec.Table)
 		require.Equal(t, pglogrepl.LSN(0).String(), rec.LSN, "a backfilled row has no WAL position")
 		var raw struct {
@@ -121,10 +121,10 @@ func TestBackfillDeadLettersRowsItCannotPublish(t *testing.T) {
 		delete(bad, id)
 		require.Contains(t, rec.Reason, mention)
 		require.Equal(t, len(rec.Raw), rec.RawBytes)
-		require.Equal(t, relay.DeadLetterBackfillMsgID(id), m.header.Get(nats.MsgIdHdr))
+		require.Equal(t, wire.DeadLetterBackfillMsgID(id), m.header.Get(nats.MsgIdHdr))
 	}
 	require.Empty(t, bad, "rows set aside without a record")
-	require.Equal(t, float64(len(dead)), deadLetterCount(t, reg, relay.DeadLetterTurn))
+	require.Equal(t, float64(len(dead)), deadLetterCount(t, reg, wire.DeadLetterTurn))
 
 	var pending int
 	require.NoError(t, b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM agent_outbox WHERE status IN ('pending', 'processing')`).Scan(&pending))

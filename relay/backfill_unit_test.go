@@ -5,8 +5,11 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/wire"
 )
 
 // The backfill and the stream agree: a row the stream publishes is published by the backfill
@@ -47,19 +50,19 @@ func TestBackfillAndStreamAgree(t *testing.T) {
 			require.Equal(t, tc.dead, back.deadLetter != "", "the backfill sets it aside")
 			if !tc.dead {
 				require.Equal(t, streamed.msg, back.msg, "the same event")
-				var ev TurnEvent
+				var ev wire.TurnEvent
 				require.NoError(t, json.Unmarshal(back.msg.Data, &ev))
 				return
 			}
-			require.Equal(t, DeadLetterTurn, back.deadLetter)
+			require.Equal(t, wire.DeadLetterTurn, back.deadLetter)
 			require.Equal(t, streamed.reason, back.reason, "the same reason")
 			require.Equal(t, "agent.deadletter.turn", back.msg.Subject)
-			require.Equal(t, DeadLetterBackfillMsgID(id), back.msg.Header.Get(nats.MsgIdHdr))
+			require.Equal(t, wire.DeadLetterBackfillMsgID(id), back.msg.Header.Get(nats.MsgIdHdr))
 			require.LessOrEqual(t, msgSize(back.msg.Header, back.msg.Data), max(tc.maxPayload, 1<<10))
-			var rec DeadLetter
+			var rec wire.DeadLetter
 			require.NoError(t, json.Unmarshal(back.msg.Data, &rec))
 			require.Equal(t, "0/0", rec.LSN)
-			require.Equal(t, DeadLetterTurn, rec.Kind)
+			require.Equal(t, wire.DeadLetterTurn, rec.Kind)
 			require.Equal(t, "public.agent_outbox", rec.Table)
 			require.Equal(t, back.reason, rec.Reason)
 			full, err := json.Marshal(r)
@@ -80,9 +83,9 @@ func TestBackfillAndStreamAgree(t *testing.T) {
 func TestDeadLetterBackfillMsgIDs(t *testing.T) {
 	seen := map[string]bool{}
 	for _, id := range []int64{0, 1, 2, 10, 1 << 40} {
-		s := DeadLetterBackfillMsgID(id)
+		s := wire.DeadLetterBackfillMsgID(id)
 		require.False(t, seen[s], s)
 		seen[s] = true
-		require.NotEqual(t, DeadLetterMsgID(0), s)
+		require.NotEqual(t, wire.DeadLetterMsgID(pglogrepl.LSN(0).String()), s)
 	}
 }

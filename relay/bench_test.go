@@ -42,9 +42,9 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/batonhq/baton/internal/subject"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 const (
@@ -513,7 +513,7 @@ func newPlainRelay(tb testing.TB, e *benchEnv, name string, window int) *plainRe
 	tb.Helper()
 	pr := &plainRelay{prefix: strings.ToLower(name), cols: map[*pglogrepl.RelationMessage][6]int{}}
 	if _, err := e.js.CreateStream(context.Background(), jetstream.StreamConfig{
-		Name: strings.ToUpper(name), Subjects: []string{subject.StreamFilter(pr.prefix, subject.KindTurns)},
+		Name: strings.ToUpper(name), Subjects: []string{wire.StreamFilter(pr.prefix, wire.KindTurns)},
 		Storage: jetstream.FileStorage, Duplicates: 2 * time.Minute, MaxMsgs: -1, MaxBytes: -1,
 	}); err != nil {
 		tb.Fatal(err)
@@ -522,7 +522,7 @@ func newPlainRelay(tb testing.TB, e *benchEnv, name string, window int) *plainRe
 		jetstream.WithPublishAsyncErrHandler(func(jetstream.JetStream, *nats.Msg, error) { pr.failed.Add(1) }),
 		jetstream.WithPublishAsyncAckHandler(func(_ jetstream.JetStream, m *nats.Msg, _ *jetstream.PubAck) {
 			if pr.onAck != nil {
-				id, _ := strconv.ParseInt(m.Header.Get(relay.HeaderOutboxID), 10, 64)
+				id, _ := strconv.ParseInt(m.Header.Get(wire.HeaderOutboxID), 10, 64)
 				pr.onAck(id)
 			}
 		}))
@@ -549,21 +549,21 @@ func (pr *plainRelay) publish(rel *pglogrepl.RelationMessage, ins *pglogrepl.Ins
 		pr.cols[rel] = idx
 	}
 	col := func(i int) string { return string(ins.Tuple.Columns[idx[i]].Data) }
-	var ev relay.TurnEvent
+	var ev wire.TurnEvent
 	ev.OutboxID, _ = strconv.ParseInt(col(0), 10, 64)
 	ev.ConversationID, ev.MessageID, ev.Status = col(1), col(2), col(3)
 	ev.Attempts, _ = strconv.Atoi(col(4))
 	ev.CreatedAt, _ = time.Parse("2006-01-02 15:04:05.999999999-07", col(5))
-	subj, err := subject.Turns(pr.prefix, ev.ConversationID)
+	subj, err := wire.TurnSubject(pr.prefix, ev.ConversationID)
 	if err != nil {
 		return err
 	}
 	m := nats.NewMsg(subj)
 	m.Data, _ = json.Marshal(ev)
-	m.Header.Set(nats.MsgIdHdr, relay.TurnMsgID(ev.OutboxID))
-	m.Header.Set(relay.HeaderOutboxID, strconv.FormatInt(ev.OutboxID, 10))
-	m.Header.Set(relay.HeaderConversationID, ev.ConversationID)
-	m.Header.Set(relay.HeaderMessageID, ev.MessageID)
+	m.Header.Set(nats.MsgIdHdr, wire.TurnMsgID(ev.OutboxID))
+	m.Header.Set(wire.HeaderOutboxID, strconv.FormatInt(ev.OutboxID, 10))
+	m.Header.Set(wire.HeaderConversationID, ev.ConversationID)
+	m.Header.Set(wire.HeaderMessageID, ev.MessageID)
 	_, err = pr.js.PublishMsgAsync(m, jetstream.WithStallWait(time.Minute))
 	return err
 }
@@ -611,18 +611,18 @@ func plainCatchUp(tb testing.TB, e *benchEnv, slot, stream string, want int) tim
 // turnLikeMsg builds a message shaped like the relay's turn event of outbox row id: same
 // subject form, the same headers (Nats-Msg-Id among them), a JSON body of ~180 B.
 func turnLikeMsg(prefix string, id int64, conv string, at time.Time) *nats.Msg {
-	subj, err := subject.Turns(prefix, conv)
+	subj, err := wire.TurnSubject(prefix, conv)
 	if err != nil {
 		panic(err)
 	}
-	body, _ := json.Marshal(relay.TurnEvent{OutboxID: id, ConversationID: conv, MessageID: fmt.Sprintf("w0-%d", id),
+	body, _ := json.Marshal(wire.TurnEvent{OutboxID: id, ConversationID: conv, MessageID: fmt.Sprintf("w0-%d", id),
 		Status: "pending", CreatedAt: at})
 	m := nats.NewMsg(subj)
 	m.Data = body
-	m.Header.Set(nats.MsgIdHdr, relay.TurnMsgID(id))
-	m.Header.Set(relay.HeaderOutboxID, strconv.FormatInt(id, 10))
-	m.Header.Set(relay.HeaderConversationID, conv)
-	m.Header.Set(relay.HeaderMessageID, fmt.Sprintf("w0-%d", id))
+	m.Header.Set(nats.MsgIdHdr, wire.TurnMsgID(id))
+	m.Header.Set(wire.HeaderOutboxID, strconv.FormatInt(id, 10))
+	m.Header.Set(wire.HeaderConversationID, conv)
+	m.Header.Set(wire.HeaderMessageID, fmt.Sprintf("w0-%d", id))
 	return m
 }
 
@@ -634,7 +634,7 @@ func barePublish(tb testing.TB, e *benchEnv, name string, n, window int) time.Du
 	defer cancel()
 	prefix := strings.ToLower(name)
 	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
-		Name: strings.ToUpper(name), Subjects: []string{subject.StreamFilter(prefix, subject.KindTurns)},
+		Name: strings.ToUpper(name), Subjects: []string{wire.StreamFilter(prefix, wire.KindTurns)},
 		Storage: jetstream.FileStorage, Duplicates: 2 * time.Minute, MaxMsgs: -1, MaxBytes: -1,
 	}); err != nil {
 		tb.Fatal(err)
@@ -781,7 +781,7 @@ func benchCatchUp(b *testing.B, rowsPerTx, rounds int) {
 // events and confirmed end, and returns its figures. The benchmark timer runs meanwhile.
 func catchUpOnce(b *testing.B, ctx context.Context, e *benchEnv, slot, prefix string, end pglogrepl.LSN) catchUpRound {
 	b.Helper()
-	stream := relay.StreamName(prefix, subject.KindTurns)
+	stream := wire.StreamName(prefix, wire.KindTurns)
 	b.StartTimer()
 	p := startBenchProcess(b, e, "BATON_SLOT="+slot, "BATON_SUBJECT_PREFIX="+prefix)
 	p.waitStreaming(b)
@@ -1119,7 +1119,7 @@ func collectStored(tb testing.TB, e *benchEnv, stream string) *storedCollector {
 		if err != nil {
 			return
 		}
-		id, _ := strconv.ParseInt(m.Headers().Get(relay.HeaderOutboxID), 10, 64)
+		id, _ := strconv.ParseInt(m.Headers().Get(wire.HeaderOutboxID), 10, 64)
 		c.mu.Lock()
 		c.stored[id], c.recv[id] = md.Timestamp, now
 		c.mu.Unlock()

@@ -11,7 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/batonhq/baton/internal/pgname"
-	"github.com/batonhq/baton/internal/subject"
+	"github.com/batonhq/baton/wire"
 )
 
 // Config configures a Relay. Zero values take the defaults named on each field.
@@ -43,7 +43,7 @@ type Config struct {
 	TurnsStream    string
 	OutcomesStream string
 	// DeadLetterStream names the stream of changes the relay set aside because no retry could
-	// publish them (subjects <prefix>.deadletter.<kind>, see DeadLetter). Default: the prefix in
+	// publish them (subjects <prefix>.deadletter.<kind>, see wire.DeadLetter). Default: the prefix in
 	// upper case with dots as underscores, plus "_DEADLETTER" ("AGENT_DEADLETTER").
 	DeadLetterStream string
 	// DeadLetterMaxAge drops dead-letter records older than this. Default 30 days
@@ -128,11 +128,11 @@ func (c *Config) fill() error {
 			*s = v
 		}
 	}
-	def(&c.SubjectPrefix, "agent")
+	def(&c.SubjectPrefix, wire.DefaultSubjectPrefix)
 	def(&c.Slot, "baton")
 	def(&c.Publication, "baton")
 	def(&c.Schema, "public")
-	if err := subject.ValidatePrefix(c.SubjectPrefix); err != nil {
+	if err := wire.ValidatePrefix(c.SubjectPrefix); err != nil {
 		return fmt.Errorf("%w: subject prefix: %w", ErrConfig, err)
 	}
 	if err := pgname.Slot(c.Slot); err != nil {
@@ -141,9 +141,9 @@ func (c *Config) fill() error {
 	if err := pgname.Publication(c.Publication); err != nil {
 		return fmt.Errorf("%w: publication %w", ErrConfig, err)
 	}
-	def(&c.TurnsStream, StreamName(c.SubjectPrefix, subject.KindTurns))
-	def(&c.OutcomesStream, StreamName(c.SubjectPrefix, subject.KindOutcomes))
-	def(&c.DeadLetterStream, StreamName(c.SubjectPrefix, subject.KindDeadLetter))
+	def(&c.TurnsStream, wire.StreamName(c.SubjectPrefix, wire.KindTurns))
+	def(&c.OutcomesStream, wire.StreamName(c.SubjectPrefix, wire.KindOutcomes))
+	def(&c.DeadLetterStream, wire.StreamName(c.SubjectPrefix, wire.KindDeadLetter))
 	if c.DeadLetterMaxAge <= 0 {
 		c.DeadLetterMaxAge = DefaultDeadLetterMaxAge
 	}
@@ -179,19 +179,4 @@ func (c *Config) fill() error {
 		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
 	return nil
-}
-
-// StreamName returns the default stream name for a subject prefix and kind: "agent", "turns"
-// gives "AGENT_TURNS".
-func StreamName(prefix, kind string) string {
-	b := []byte(prefix + "_" + kind)
-	for i, c := range b {
-		switch {
-		case c >= 'a' && c <= 'z':
-			b[i] = c - 'a' + 'A'
-		case c == '.' || c == '-':
-			b[i] = '_'
-		}
-	}
-	return string(b)
 }

@@ -9,7 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // deadLetterRecord is the dead-letter record as README.md documents it, decoded independently
@@ -80,7 +80,7 @@ func TestMalformedAnswersAreDeadLetteredAndSkipped(t *testing.T) {
 			require.NoError(t, err)
 			var emitted string
 			require.NoError(t, tx.QueryRow(ctx, `SELECT pg_logical_emit_message(true, $1, $2)::text`,
-				relay.AnswersPrefix, tc.payload).Scan(&emitted))
+				wire.AnswersPrefix, tc.payload).Scan(&emitted))
 			_, err = tx.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('r1', 'c', 'assistant', 'hi')`)
 			require.NoError(t, err)
 			require.NoError(t, tx.Commit(ctx))
@@ -91,7 +91,7 @@ func TestMalformedAnswersAreDeadLetteredAndSkipped(t *testing.T) {
 			assertExactlyOnceInOrder(t, turns, map[int64]string{id1: "c", id2: "c", id3: "c"})
 			outcomes := b.waitStream(t, "AGENT_OUTCOMES", 1, 30*time.Second)
 			require.Len(t, outcomes, 1)
-			var ev relay.OutcomeEvent
+			var ev wire.OutcomeEvent
 			require.NoError(t, json.Unmarshal(outcomes[0].data, &ev))
 			require.Equal(t, "r1", ev.MessageID)
 			require.Equal(t, "hi", ev.Content)
@@ -113,7 +113,7 @@ func TestMalformedAnswersAreDeadLetteredAndSkipped(t *testing.T) {
 			require.NoError(t, err)
 			require.Greater(t, lsn, before)
 			require.Equal(t, at, lsn, "the record's LSN is the message's own")
-			require.Equal(t, relay.DeadLetterMsgID(lsn), dead[0].header.Get("Nats-Msg-Id"))
+			require.Equal(t, wire.DeadLetterMsgID(lsn.String()), dead[0].header.Get("Nats-Msg-Id"))
 
 			requireSlotCaughtUp(t, b)
 			require.Equal(t, 1.0, deadLetterCount(t, reg, "answers"))

@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pglogrepl"
 	"github.com/nats-io/nats.go"
+
+	"github.com/batonhq/baton/wire"
 )
 
 // Tables the relay publishes from.
@@ -39,7 +41,7 @@ type item struct {
 	outcome    bool // the event is an outcome, not a turn
 	omitted    bool // an outcome published without its content
 	// deadLetter is, for the dead-letter record of a change set aside, its kind
-	// (DeadLetterAnswers, DeadLetterTurn, DeadLetterOutcome); msg is the record and reason
+	// (wire.DeadLetterAnswers, wire.DeadLetterTurn, wire.DeadLetterOutcome); msg is the record and reason
 	// says why, for the log.
 	deadLetter string
 	reason     string
@@ -49,7 +51,7 @@ type item struct {
 // input makes it panic: a message it cannot read is an error (FuzzDecode).
 //
 // No poison loop: a change that is well-formed pgoutput but cannot become an event for a
-// reason no retry can fix (an AnswersPrefix message that is not the expected JSON, a row value
+// reason no retry can fix (a wire.AnswersPrefix message that is not the expected JSON, a row value
 // that cannot be parsed, an event that cannot fit the server's max payload) becomes the item
 // of its dead-letter record instead (item.deadLetter), published in its place like any event:
 // the transaction is confirmed only once the record has its PubAck, and every other change of
@@ -65,7 +67,7 @@ type decoder struct {
 
 	relations map[uint32]*relation
 	// answers maps a reply's message id to the outbox ids it answers, for the current
-	// transaction (see AnswersPrefix).
+	// transaction (see wire.AnswersPrefix).
 	answers map[string][]int64
 	cols    []tupleColumn // reused by every insert
 
@@ -262,12 +264,12 @@ func (d *decoder) decode(walData []byte) (item, error) {
 		d.answers = nil
 		return item{kind: itemCommit, lsn: m.TransactionEndLSN, commitTime: m.CommitTime}, nil
 	case *pglogrepl.LogicalDecodingMessage:
-		if m.Transactional && m.Prefix == AnswersPrefix {
+		if m.Transactional && m.Prefix == wire.AnswersPrefix {
 			// Any role can emit this message: a malformed one only loses the optional ids it
 			// would have added, and is set aside.
 			a, err := parseAnswers(m.Content)
 			if err != nil {
-				return d.deadLetter(DeadLetterAnswers, "", err.Error(), m.Content), nil
+				return d.deadLetter(wire.DeadLetterAnswers, "", err.Error(), m.Content), nil
 			}
 			if d.answers == nil {
 				d.answers = map[string][]int64{}
@@ -278,21 +280,21 @@ func (d *decoder) decode(walData []byte) (item, error) {
 	return item{}, nil
 }
 
-// answers is the content of an AnswersPrefix message.
+// answers is the content of a wire.AnswersPrefix message.
 type answers struct {
 	MessageID string  `json:"message_id"`
 	OutboxIDs []int64 `json:"outbox_ids"`
 }
 
-// parseAnswers parses the content of an AnswersPrefix message: a JSON object with a non-empty
+// parseAnswers parses the content of a wire.AnswersPrefix message: a JSON object with a non-empty
 // message_id and an array of outbox ids.
 func parseAnswers(content []byte) (answers, error) {
 	var a answers
 	if err := json.Unmarshal(content, &a); err != nil {
-		return answers{}, fmt.Errorf("%s message is not the expected JSON object: %w", AnswersPrefix, err)
+		return answers{}, fmt.Errorf("%s message is not the expected JSON object: %w", wire.AnswersPrefix, err)
 	}
 	if a.MessageID == "" {
-		return answers{}, fmt.Errorf("%s message has no message_id", AnswersPrefix)
+		return answers{}, fmt.Errorf("%s message has no message_id", wire.AnswersPrefix)
 	}
 	return a, nil
 }
@@ -345,9 +347,9 @@ func (d *decoder) insert(relID uint32, tuple []tupleColumn) (item, error) {
 	if err != nil {
 		// Everything event reports is a property of the change itself, which a replay
 		// delivers unchanged: set it aside.
-		kind := DeadLetterTurn
+		kind := wire.DeadLetterTurn
 		if rel.kind == tableMessages {
-			kind = DeadLetterOutcome
+			kind = wire.DeadLetterOutcome
 		}
 		return d.deadLetter(kind, rel.msg.Namespace+"."+rel.msg.RelationName, err.Error(), d.raw), nil
 	}
@@ -387,7 +389,7 @@ func (d *decoder) event(rel *relation, tuple []tupleColumn) (item, error) {
 		}
 		return item{kind: itemEvent, msg: msg}, nil
 	default: // tableMessages
-		var ev OutcomeEvent
+		var ev wire.OutcomeEvent
 		col("role", &ev.Role, &err)
 		if err == nil && ev.Role == "user" {
 			// The publication's row filter keeps these out; a publication without it must not
@@ -409,7 +411,7 @@ func (d *decoder) event(rel *relation, tuple []tupleColumn) (item, error) {
 		if err != nil {
 			return item{}, err
 		}
-		return item{kind: itemEvent, msg: msg, outcome: true, omitted: msg.Header.Get(HeaderContentOmitted) != ""}, nil
+		return item{kind: itemEvent, msg: msg, outcome: true, omitted: msg.Header.Get(wire.HeaderContentOmitted) != ""}, nil
 	}
 }
 
@@ -429,7 +431,7 @@ type outboxText struct {
 // cannot be parsed (a created_at that is not finite, or past the year 9999, or BC), a
 // conversation id no subject can carry, an event that cannot fit maxPayload.
 func (c *outboxText) turn(prefix string, maxPayload int) (*nats.Msg, error) {
-	row := TurnEvent{ConversationID: c.ConversationID, MessageID: c.MessageID, Status: c.Status}
+	row := wire.TurnEvent{ConversationID: c.ConversationID, MessageID: c.MessageID, Status: c.Status}
 	var err error
 	if row.OutboxID, err = strconv.ParseInt(c.ID, 10, 64); err != nil {
 		return nil, fmt.Errorf("agent_outbox.id %q: %w", c.ID, err)
@@ -453,7 +455,7 @@ func (c *outboxText) turn(prefix string, maxPayload int) (*nats.Msg, error) {
 // checkTurnSize returns an error when the turn event msg of row does not fit maxPayload (0:
 // no limit). Ids are unbounded text: a message id of a megabyte would be refused by the server
 // on every retry. Measured only when the ids are long enough to matter (this runs per row).
-func checkTurnSize(msg *nats.Msg, row TurnEvent, maxPayload int) error {
+func checkTurnSize(msg *nats.Msg, row wire.TurnEvent, maxPayload int) error {
 	// Escaped JSON takes at most 6 bytes per byte of an id, a header value 4/3 of it.
 	if maxPayload <= 0 || 1024+8*(len(row.ConversationID)+len(row.MessageID)) <= maxPayload {
 		return nil

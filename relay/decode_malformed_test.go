@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/wire"
 )
 
 // pgoutput (protocol version 1) messages, built by hand as the walsender writes them.
@@ -99,7 +101,7 @@ func validMessages() map[string][]byte {
 		"relation": relationMsg(16384, "public", "agent_outbox", outboxColumns...),
 		"begin":    beginMsg(),
 		"commit":   commitMsg(),
-		"message":  logicalMsg(true, AnswersPrefix, `{"message_id":"r1","outbox_ids":[1,2]}`),
+		"message":  logicalMsg(true, wire.AnswersPrefix, `{"message_id":"r1","outbox_ids":[1,2]}`),
 		"update":   updateMsg(16384),
 		"delete":   deleteMsg(16384),
 		"truncate": truncateMsg(16384, 16390),
@@ -141,7 +143,7 @@ func TestDecodeMalformedMessagesAreErrors(t *testing.T) {
 	// Lengths that point past the end of the message.
 	for name, msg := range map[string][]byte{
 		"message content longer than the message": func() []byte {
-			m := logicalMsg(true, AnswersPrefix, `{}`)
+			m := logicalMsg(true, wire.AnswersPrefix, `{}`)
 			binary.BigEndian.PutUint32(m[len(m)-6:], 1<<30)
 			return m
 		}(),
@@ -176,7 +178,7 @@ func FuzzDecode(f *testing.F) {
 		f.Add(msg[:len(msg)/2], []byte(nil))
 	}
 	f.Add([]byte{}, []byte{})
-	f.Add(logicalMsg(true, AnswersPrefix, `{"message_id":"r1","outbox_ids":[1,2]}`),
+	f.Add(logicalMsg(true, wire.AnswersPrefix, `{"message_id":"r1","outbox_ids":[1,2]}`),
 		append([]byte{'I'}, insertBody(16385, tupleColumn{kind: 't', data: []byte("r1")},
 			tupleColumn{kind: 't', data: []byte("c")}, tupleColumn{kind: 't', data: []byte("assistant")},
 			tupleColumn{kind: 't', data: []byte("hi")}, tupleColumn{kind: 't', data: []byte("2026-11-30 01:02:03+00")})...))

@@ -2,21 +2,22 @@
 //
 // A Relay tails a publication with logical replication (pgoutput) and publishes every insert
 // into agent_outbox as a turn event on <prefix>.turns.<conv>, and every reply or error message
-// as an outcome event on <prefix>.outcomes.<conv>.
+// as an outcome event on <prefix>.outcomes.<conv>. What those events are on NATS (subjects,
+// headers, bodies, Nats-Msg-Ids, stream names) is the contract of package wire.
 //
 // Guarantees, each kept by the code named:
 //   - Nothing is lost (pipeline.advance): the LSN confirmed to Postgres is the end of the
 //     newest transaction whose events, with every transaction before it, JetStream
 //     acknowledged. Write, flush and apply positions are all set to it explicitly.
 //   - Nothing is doubled within JetStream's duplicate window: each event carries a
-//     Nats-Msg-Id derived from its row (TurnMsgID, OutcomeMsgID), and a replay after a crash
-//     republishes the same ids. Consumers dedupe by outbox id beyond the window.
+//     Nats-Msg-Id derived from its row (wire.TurnMsgID, wire.OutcomeMsgID), and a replay
+//     after a crash republishes the same ids. Consumers dedupe by outbox id beyond the window.
 //   - Per-conversation order (pipeline.handle): an event is published only after every
 //     earlier event of its subject has a PubAck, and any publish error restarts the session
 //     from the confirmed LSN.
 //   - No poison loop (decoder, backfillItem, pipeline): a change no retry can publish (a malformed
-//     AnswersPrefix message, a value that cannot be parsed, an event that cannot fit the
-//     server's max payload) becomes a DeadLetter record on <prefix>.deadletter.<kind>, in the
+//     wire.AnswersPrefix message, a value that cannot be parsed, an event that cannot fit the
+//     server's max payload) becomes a wire.DeadLetter record on <prefix>.deadletter.<kind>, in the
 //     stream Config.DeadLetterStream, published in the change's place like any event: its
 //     transaction is confirmed only after the record's PubAck. The rest of the transaction
 //     is published; a skipped outbox row stays pending in Postgres for the workers' sweep.

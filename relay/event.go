@@ -1,7 +1,6 @@
 package relay
 
 import (
-	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -12,156 +11,13 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/batonhq/baton/internal/subject"
+	"github.com/batonhq/baton/wire"
 )
-
-// Headers every event carries. HeaderConversationID and HeaderMessageID carry HeaderID of the
-// id: the id itself when it is printable ASCII without spaces and does not start with "~",
-// otherwise "~" followed by the unpadded base64url of its bytes (ParseHeaderID reverses it).
-// Distinct ids always get distinct values, which survive nats.go unchanged (it trims header
-// values and turns CR and LF into spaces), so a hostile id can neither break the header block
-// nor pass for another id. The JSON body always carries the exact ids.
-const (
-	HeaderOutboxID       = "Baton-Outbox-Id"
-	HeaderConversationID = "Baton-Conversation-Id"
-	HeaderMessageID      = "Baton-Message-Id"
-	HeaderRole           = "Baton-Role"
-	// HeaderContentOmitted is "true" on an outcome whose content did not fit the server's max
-	// payload; read the content from the messages table by id.
-	HeaderContentOmitted = "Baton-Content-Omitted"
-	// HeaderOutboxIDsOmitted is, on an outcome answering more than MaxHeaderOutboxIDs outbox
-	// rows, the count of answered ids left out of HeaderOutboxID (which lists the first ones).
-	HeaderOutboxIDsOmitted = "Baton-Outbox-Ids-Omitted"
-)
-
-// Caps on the answered outbox ids an outcome carries, so that an outcome answering any number
-// of rows fits the server's max payload. The first ids are kept, the rest counted.
-const (
-	// MaxHeaderOutboxIDs is the most ids HeaderOutboxID lists (comma-separated).
-	MaxHeaderOutboxIDs = 100
-	// MaxBodyOutboxIDs is the most ids OutcomeEvent.OutboxIDs holds.
-	MaxBodyOutboxIDs = 1000
-)
-
-// AnswersPrefix is the prefix of the transactional logical decoding message a worker emits,
-// before inserting a reply, to tell the relay which outbox rows the reply answers:
-//
-//	SELECT pg_logical_emit_message(true, 'baton.answers', '{"message_id":"r1","outbox_ids":[1,2]}')
-//
-// The relay attaches the ids to the outcome event of that message in the same transaction.
-const AnswersPrefix = "baton.answers"
-
-// TurnEvent is the JSON body of a turn event: the outbox row as it was inserted. It carries no
-// message content: the outbox is a trigger, the content stays in messages.
-type TurnEvent struct {
-	OutboxID       int64     `json:"outbox_id"`
-	ConversationID string    `json:"conversation_id"`
-	MessageID      string    `json:"message_id"`
-	Status         string    `json:"status"`
-	Attempts       int       `json:"attempts"`
-	CreatedAt      time.Time `json:"created_at"`
-}
-
-// OutcomeEvent is the JSON body of an outcome event: an assistant reply or a visible error.
-type OutcomeEvent struct {
-	MessageID      string `json:"message_id"`
-	ConversationID string `json:"conversation_id"`
-	Role           string `json:"role"`
-	Content        string `json:"content,omitempty"`
-	// ContentOmitted is true when the content did not fit the server's max payload; ContentBytes
-	// still gives its size.
-	ContentOmitted bool      `json:"content_omitted,omitempty"`
-	ContentBytes   int       `json:"content_bytes"`
-	CreatedAt      time.Time `json:"created_at"`
-	// OutboxIDs are the outbox rows this message answers, when the worker announced them: the
-	// first MaxBodyOutboxIDs of them (fewer if even the event without content would not fit
-	// the max payload).
-	OutboxIDs []int64 `json:"outbox_ids,omitempty"`
-	// OutboxIDsOmitted counts the answered ids left out of OutboxIDs; read the rest from
-	// agent_outbox (reply_id) when you need them.
-	OutboxIDsOmitted int `json:"outbox_ids_omitted,omitempty"`
-}
-
-// TurnMsgID is the Nats-Msg-Id of the turn event of an outbox row.
-func TurnMsgID(outboxID int64) string { return "turn:" + strconv.FormatInt(outboxID, 10) }
-
-// OutcomeMsgID is the Nats-Msg-Id of the outcome event of a message: "outcome:" and
-// HeaderID(messageID), so distinct message ids never share one, and JetStream never drops an
-// outcome as the duplicate of another message's.
-func OutcomeMsgID(messageID string) string { return "outcome:" + HeaderID(messageID) }
-
-// headerEncodedMark starts every encoded HeaderID; plain ids never start with it.
-const headerEncodedMark = '~'
-
-// isPlainHeaderID reports whether id is its own header value: non-empty, printable ASCII
-// without space ('!' to '~'), not starting with headerEncodedMark. Such a value is never
-// changed by nats.go and never mistaken for an encoded one.
-func isPlainHeaderID(id string) bool {
-	if id == "" || id[0] == headerEncodedMark {
-		return false
-	}
-	for i := 0; i < len(id); i++ {
-		if id[i] < '!' || id[i] > '~' {
-			return false
-		}
-	}
-	return true
-}
-
-// HeaderID returns the header value that carries id (a conversation or message id): the id
-// itself when it is non-empty printable ASCII without spaces and does not start with "~";
-// otherwise "~" followed by the unpadded base64url encoding of its bytes ("~" alone for the
-// empty id). The mapping is injective for every string, any length or bytes: plain values
-// never start with "~", encoded ones always do, and base64 is injective. ParseHeaderID
-// reverses it.
-func HeaderID(id string) string {
-	if isPlainHeaderID(id) {
-		return id
-	}
-	buf := make([]byte, 1+base64.RawURLEncoding.EncodedLen(len(id)))
-	buf[0] = headerEncodedMark
-	base64.RawURLEncoding.Encode(buf[1:], []byte(id))
-	return string(buf)
-}
-
-// ErrInvalidHeaderID is wrapped by ParseHeaderID's errors.
-var ErrInvalidHeaderID = errors.New("not a Baton header id")
-
-// ParseHeaderID returns the id whose HeaderID is v. It accepts exactly the values HeaderID
-// produces (HeaderID(id) == v whenever it succeeds), and returns an error wrapping
-// ErrInvalidHeaderID otherwise.
-func ParseHeaderID(v string) (string, error) {
-	if v == "" {
-		return "", fmt.Errorf("%w: empty", ErrInvalidHeaderID)
-	}
-	if v[0] != headerEncodedMark {
-		if !isPlainHeaderID(v) {
-			return "", fmt.Errorf("%w: %q has a byte outside '!'..'~'", ErrInvalidHeaderID, v)
-		}
-		return v, nil
-	}
-	payload := v[1:]
-	// The alphabet check comes first: the base64 decoder skips '\r' and '\n' even in strict
-	// mode. Strict rejects non-zero trailing bits, which would give one id several values.
-	for i := 0; i < len(payload); i++ {
-		if c := payload[i]; !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '_' || c == '-') {
-			return "", fmt.Errorf("%w: %q has a byte outside the base64url alphabet", ErrInvalidHeaderID, v)
-		}
-	}
-	id, err := base64.RawURLEncoding.Strict().DecodeString(payload)
-	if err != nil {
-		return "", fmt.Errorf("%w: %q: %w", ErrInvalidHeaderID, v, err)
-	}
-	if isPlainHeaderID(string(id)) {
-		return "", fmt.Errorf("%w: %q encodes %q, whose header value is the id itself", ErrInvalidHeaderID, v, id)
-	}
-	return string(id), nil
-}
 
 // turnMsg builds the turn event of an outbox row. The body is what json.Marshal(row) gives,
 // written by hand: this runs once per row on the relay's hot path.
-func turnMsg(prefix string, row TurnEvent) (*nats.Msg, error) {
-	subj, err := subject.Turns(prefix, row.ConversationID)
+func turnMsg(prefix string, row wire.TurnEvent) (*nats.Msg, error) {
+	subj, err := wire.TurnSubject(prefix, row.ConversationID)
 	if err != nil {
 		return nil, fmt.Errorf("turn event for outbox %d: %w", row.OutboxID, err)
 	}
@@ -181,10 +37,10 @@ func turnMsg(prefix string, row TurnEvent) (*nats.Msg, error) {
 	b = append(b, `"}`...)
 	id := strconv.FormatInt(row.OutboxID, 10)
 	return &nats.Msg{Subject: subj, Data: b, Header: nats.Header{
-		nats.MsgIdHdr:        {"turn:" + id},
-		HeaderOutboxID:       {id},
-		HeaderConversationID: {HeaderID(row.ConversationID)},
-		HeaderMessageID:      {HeaderID(row.MessageID)},
+		nats.MsgIdHdr:             {"turn:" + id},
+		wire.HeaderOutboxID:       {id},
+		wire.HeaderConversationID: {wire.HeaderID(row.ConversationID)},
+		wire.HeaderMessageID:      {wire.HeaderID(row.MessageID)},
 	}}, nil
 }
 
@@ -244,33 +100,33 @@ func appendJSONString(b []byte, s string) []byte {
 
 // outcomeMsg builds the outcome event of a reply, never larger than maxPayload bytes as the
 // server measures it (header block plus body; 0 means unknown, no limit). It carries at most
-// the first MaxHeaderOutboxIDs answered ids in HeaderOutboxID and the first MaxBodyOutboxIDs in
-// the body, with the count of the rest (HeaderOutboxIDsOmitted, outbox_ids_omitted). When that
+// the first wire.MaxHeaderOutboxIDs answered ids in wire.HeaderOutboxID and the first wire.MaxBodyOutboxIDs in
+// the body, with the count of the rest (wire.HeaderOutboxIDsOmitted, outbox_ids_omitted). When that
 // is still too large it is built without content and flagged, never dropped; if even that does
 // not fit, it carries fewer ids (halving) down to none. An event that does not fit without
 // content and ids (an absurdly small max payload) is an error wrapping errOutcomeTooLarge:
 // publishing it could only fail with ErrMaxPayload on every retry.
-func outcomeMsg(prefix string, ev OutcomeEvent, maxPayload int) (*nats.Msg, error) {
-	subj, err := subject.Outcomes(prefix, ev.ConversationID)
+func outcomeMsg(prefix string, ev wire.OutcomeEvent, maxPayload int) (*nats.Msg, error) {
+	subj, err := wire.OutcomeSubject(prefix, ev.ConversationID)
 	if err != nil {
 		return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
 	}
 	ev.ContentBytes = len(ev.Content)
 	m := nats.NewMsg(subj)
-	m.Header.Set(nats.MsgIdHdr, OutcomeMsgID(ev.MessageID))
-	m.Header.Set(HeaderConversationID, HeaderID(ev.ConversationID))
-	m.Header.Set(HeaderMessageID, HeaderID(ev.MessageID))
-	m.Header.Set(HeaderRole, ev.Role)
+	m.Header.Set(nats.MsgIdHdr, wire.OutcomeMsgID(ev.MessageID))
+	m.Header.Set(wire.HeaderConversationID, wire.HeaderID(ev.ConversationID))
+	m.Header.Set(wire.HeaderMessageID, wire.HeaderID(ev.MessageID))
+	m.Header.Set(wire.HeaderRole, ev.Role)
 	all := ev.OutboxIDs
-	inHeader, inBody := min(len(all), MaxHeaderOutboxIDs), min(len(all), MaxBodyOutboxIDs)
+	inHeader, inBody := min(len(all), wire.MaxHeaderOutboxIDs), min(len(all), wire.MaxBodyOutboxIDs)
 	setIDs := func() {
-		delete(m.Header, HeaderOutboxID)
-		delete(m.Header, HeaderOutboxIDsOmitted)
+		delete(m.Header, wire.HeaderOutboxID)
+		delete(m.Header, wire.HeaderOutboxIDsOmitted)
 		if inHeader > 0 {
-			m.Header.Set(HeaderOutboxID, joinIDs(all[:inHeader]))
+			m.Header.Set(wire.HeaderOutboxID, joinIDs(all[:inHeader]))
 		}
 		if rest := len(all) - inHeader; rest > 0 {
-			m.Header.Set(HeaderOutboxIDsOmitted, strconv.Itoa(rest))
+			m.Header.Set(wire.HeaderOutboxIDsOmitted, strconv.Itoa(rest))
 		}
 		ev.OutboxIDs, ev.OutboxIDsOmitted = all[:inBody:inBody], len(all)-inBody
 		if inBody == 0 {
@@ -287,7 +143,7 @@ func outcomeMsg(prefix string, ev OutcomeEvent, maxPayload int) (*nats.Msg, erro
 		return m, nil
 	}
 	ev.Content, ev.ContentOmitted = "", true
-	m.Header.Set(HeaderContentOmitted, "true")
+	m.Header.Set(wire.HeaderContentOmitted, "true")
 	for {
 		if body, err = json.Marshal(ev); err != nil {
 			return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)

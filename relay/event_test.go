@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/wire"
 )
 
 // The hand-written turn body must be byte for byte what encoding/json writes.
@@ -13,7 +15,7 @@ func TestTurnBodyMatchesEncodingJSON(t *testing.T) {
 	at := time.Date(2026, 11, 30, 1, 2, 3, 456789000, time.UTC)
 	for _, s := range []string{"plain", "a.b", `quo"te\\`, "tab\tnew\nline\r", "\x00\x01\x1f", "<&>", "🙂 ünïcode",
 		"line\u2028sep\u2029", "bad\xffutf8", ""} {
-		row := TurnEvent{OutboxID: 42, ConversationID: s, MessageID: s + "m", Status: "pending", Attempts: 3, CreatedAt: at}
+		row := wire.TurnEvent{OutboxID: 42, ConversationID: s, MessageID: s + "m", Status: "pending", Attempts: 3, CreatedAt: at}
 		want, err := json.Marshal(row)
 		require.NoError(t, err)
 		wantS, _ := json.Marshal(s)

@@ -20,7 +20,7 @@ import (
 
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/migrations"
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // batonBinary builds cmd/baton once per test binary, for tests that kill the relay as a process.
@@ -294,7 +294,7 @@ func storedTimes(t *testing.T, b *bundle) map[int64]time.Time {
 	t.Helper()
 	out := map[int64]time.Time{}
 	for _, m := range b.readStream(t, "AGENT_TURNS") {
-		id, err := strconv.ParseInt(m.header.Get(relay.HeaderOutboxID), 10, 64)
+		id, err := strconv.ParseInt(m.header.Get(wire.HeaderOutboxID), 10, 64)
 		require.NoError(t, err)
 		out[id] = m.stored
 	}

@@ -10,7 +10,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // An outcome answering 70,000 outbox rows has ~630 KB of ids in its header and as much again in
@@ -32,7 +32,7 @@ func TestHugeAnsweredOutcomeIsPublishedOnce(t *testing.T) {
 	require.NoError(t, err)
 	tx, err := b.db.Pool.Begin(ctx)
 	require.NoError(t, err)
-	_, err = tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2)`, relay.AnswersPrefix, string(answers))
+	_, err = tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2)`, wire.AnswersPrefix, string(answers))
 	require.NoError(t, err)
 	_, err = tx.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('r-huge', 'c', 'assistant', 'done')`)
 	require.NoError(t, err)
@@ -48,21 +48,21 @@ func TestHugeAnsweredOutcomeIsPublishedOnce(t *testing.T) {
 	m := outcomes[0]
 	require.LessOrEqual(t, wireSize(m.header, m.data), int(b.nc.MaxPayload()))
 
-	var ev relay.OutcomeEvent
+	var ev wire.OutcomeEvent
 	require.NoError(t, json.Unmarshal(m.data, &ev))
 	require.Equal(t, "r-huge", ev.MessageID)
 	require.Equal(t, "done", ev.Content, "the ids are cut, not the content")
 	require.False(t, ev.ContentOmitted)
-	require.Equal(t, ids[:relay.MaxBodyOutboxIDs], ev.OutboxIDs)
-	require.Equal(t, n-relay.MaxBodyOutboxIDs, ev.OutboxIDsOmitted)
+	require.Equal(t, ids[:wire.MaxBodyOutboxIDs], ev.OutboxIDs)
+	require.Equal(t, n-wire.MaxBodyOutboxIDs, ev.OutboxIDsOmitted)
 
-	head := strings.Split(m.header.Get(relay.HeaderOutboxID), ",")
-	require.Len(t, head, relay.MaxHeaderOutboxIDs)
+	head := strings.Split(m.header.Get(wire.HeaderOutboxID), ",")
+	require.Len(t, head, wire.MaxHeaderOutboxIDs)
 	for i, s := range head {
 		require.Equal(t, strconv.FormatInt(ids[i], 10), s)
 	}
-	require.Equal(t, strconv.Itoa(n-relay.MaxHeaderOutboxIDs), m.header.Get(relay.HeaderOutboxIDsOmitted))
-	require.Empty(t, m.header.Get(relay.HeaderContentOmitted))
+	require.Equal(t, strconv.Itoa(n-wire.MaxHeaderOutboxIDs), m.header.Get(wire.HeaderOutboxIDsOmitted))
+	require.Empty(t, m.header.Get(wire.HeaderContentOmitted))
 }
 
 // wireSize is the size NATS measures against max_payload: the header block as the protocol
@@ -106,7 +106,7 @@ func TestOutcomeIDsNATSWouldMergeAreAllPublished(t *testing.T) {
 		want[r.id] = r.conv
 	}
 	for _, m := range outcomes {
-		var ev relay.OutcomeEvent
+		var ev wire.OutcomeEvent
 		require.NoError(t, json.Unmarshal(m.data, &ev))
 		conv, ok := want[ev.MessageID]
 		require.True(t, ok, "outcome of %q published twice or unexpected", ev.MessageID)
@@ -117,13 +117,13 @@ func TestOutcomeIDsNATSWouldMergeAreAllPublished(t *testing.T) {
 		prev, dup := msgIDs[id]
 		require.False(t, dup, "messages %q and %q share Nats-Msg-Id %q", prev, ev.MessageID, id)
 		msgIDs[id] = ev.MessageID
-		require.Equal(t, relay.OutcomeMsgID(ev.MessageID), id)
-		back, err := relay.ParseHeaderID(m.header.Get(relay.HeaderMessageID))
+		require.Equal(t, wire.OutcomeMsgID(ev.MessageID), id)
+		back, err := wire.ParseHeaderID(m.header.Get(wire.HeaderMessageID))
 		require.NoError(t, err)
 		require.Equal(t, ev.MessageID, back)
 
-		convHeader := m.header.Get(relay.HeaderConversationID)
-		back, err = relay.ParseHeaderID(convHeader)
+		convHeader := m.header.Get(wire.HeaderConversationID)
+		back, err = wire.ParseHeaderID(convHeader)
 		require.NoError(t, err)
 		require.Equal(t, ev.ConversationID, back)
 		if prev, ok := convHeaders[convHeader]; ok {

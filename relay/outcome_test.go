@@ -9,6 +9,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/wire"
 )
 
 // protocolSize is the size NATS checks against max_payload: the header block as the protocol
@@ -24,7 +26,7 @@ func protocolSize(m *nats.Msg) int {
 }
 
 // outcomeWire is an outcome body read by its wire names, as a subscriber reads it: the names
-// are the contract, so they are spelled out here rather than taken from OutcomeEvent.
+// are the contract, so they are spelled out here rather than taken from wire.OutcomeEvent.
 type outcomeWire struct {
 	Content          string  `json:"content"`
 	ContentOmitted   bool    `json:"content_omitted"`
@@ -46,7 +48,7 @@ func seqIDs(n int) []int64 {
 func requireOutcomeIDs(t *testing.T, m *nats.Msg, body outcomeWire, want []int64, maxHeader, maxBody int) {
 	t.Helper()
 	var head []string
-	if v := m.Header.Get(HeaderOutboxID); v != "" {
+	if v := m.Header.Get(wire.HeaderOutboxID); v != "" {
 		head = strings.Split(v, ",")
 	}
 	require.LessOrEqual(t, len(head), maxHeader)
@@ -87,7 +89,7 @@ func TestOutcomeMsgCapsAnsweredIDs(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ids := seqIDs(tc.ids)
-			m, err := outcomeMsg("agent", OutcomeEvent{MessageID: "r1", ConversationID: "c", Role: "assistant",
+			m, err := outcomeMsg("agent", wire.OutcomeEvent{MessageID: "r1", ConversationID: "c", Role: "assistant",
 				Content: tc.content, CreatedAt: at, OutboxIDs: ids}, tc.maxPayload)
 			require.NoError(t, err)
 			if tc.maxPayload > 0 {
@@ -99,16 +101,16 @@ func TestOutcomeMsgCapsAnsweredIDs(t *testing.T) {
 			if tc.wantContent {
 				require.Equal(t, tc.content, body.Content)
 				require.False(t, body.ContentOmitted)
-				require.Empty(t, m.Header.Get(HeaderContentOmitted))
+				require.Empty(t, m.Header.Get(wire.HeaderContentOmitted))
 			} else {
 				require.Empty(t, body.Content)
 				require.True(t, body.ContentOmitted)
-				require.Equal(t, "true", m.Header.Get(HeaderContentOmitted))
+				require.Equal(t, "true", m.Header.Get(wire.HeaderContentOmitted))
 			}
 			maxHeader, maxBody := 100, 1000
 			requireOutcomeIDs(t, m, body, ids, maxHeader, maxBody)
 			if tc.wantHeader >= 0 {
-				require.Equal(t, tc.wantHeader, len(strings.Split(m.Header.Get(HeaderOutboxID), ",")))
+				require.Equal(t, tc.wantHeader, len(strings.Split(m.Header.Get(wire.HeaderOutboxID), ",")))
 			}
 			if tc.wantBody >= 0 {
 				require.Len(t, body.OutboxIDs, tc.wantBody)
@@ -122,7 +124,7 @@ func TestOutcomeMsgCapsAnsweredIDs(t *testing.T) {
 func TestOutcomeMsgSizeAtTheLimit(t *testing.T) {
 	at := time.Date(2026, 11, 30, 1, 2, 3, 0, time.UTC)
 	for _, content := range []string{strings.Repeat("a", 3000), strings.Repeat("<", 1000), strings.Repeat("\x01", 700)} {
-		ev := OutcomeEvent{MessageID: "r1", ConversationID: "c", Role: "assistant", Content: content, CreatedAt: at,
+		ev := wire.OutcomeEvent{MessageID: "r1", ConversationID: "c", Role: "assistant", Content: content, CreatedAt: at,
 			OutboxIDs: seqIDs(150)}
 		full, err := outcomeMsg("agent", ev, 0)
 		require.NoError(t, err)
@@ -131,7 +133,7 @@ func TestOutcomeMsgSizeAtTheLimit(t *testing.T) {
 			m, err := outcomeMsg("agent", ev, maxPayload)
 			require.NoError(t, err)
 			require.LessOrEqual(t, protocolSize(m), maxPayload)
-			require.Equal(t, maxPayload < size, m.Header.Get(HeaderContentOmitted) == "true", "max %d, full %d", maxPayload, size)
+			require.Equal(t, maxPayload < size, m.Header.Get(wire.HeaderContentOmitted) == "true", "max %d, full %d", maxPayload, size)
 		}
 	}
 }
@@ -139,7 +141,7 @@ func TestOutcomeMsgSizeAtTheLimit(t *testing.T) {
 // A max payload too small for an outcome without content and ids is an error, not a message
 // the server would refuse on every retry.
 func TestOutcomeMsgTooSmallPayloadIsAnError(t *testing.T) {
-	_, err := outcomeMsg("agent", OutcomeEvent{MessageID: "r1", ConversationID: "c", Role: "assistant",
+	_, err := outcomeMsg("agent", wire.OutcomeEvent{MessageID: "r1", ConversationID: "c", Role: "assistant",
 		Content: "hi", OutboxIDs: seqIDs(10)}, 100)
 	require.Error(t, err)
 }

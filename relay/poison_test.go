@@ -14,7 +14,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // The poison run of issue 10: everything a database role can write that no retry can publish,
@@ -59,10 +59,10 @@ func TestPoisonRun(t *testing.T) {
 		t.Helper()
 		var at string
 		require.NoError(t, b.db.Pool.QueryRow(ctx, `SELECT pg_logical_emit_message(true, $1, $2::bytea)::text`,
-			relay.AnswersPrefix, payload).Scan(&at))
+			wire.AnswersPrefix, payload).Scan(&at))
 		lsn, err := pglogrepl.ParseLSN(at)
 		require.NoError(t, err)
-		wantDead[relay.DeadLetterMsgID(lsn)] = deadWant{kind: relay.DeadLetterAnswers, raw: payload}
+		wantDead[wire.DeadLetterMsgID(lsn.String())] = deadWant{kind: wire.DeadLetterAnswers, raw: payload}
 	}
 
 	// 1. Malformed baton.answers messages: not JSON, JSON of the wrong shape, huge garbage.
@@ -82,11 +82,11 @@ func TestPoisonRun(t *testing.T) {
 	require.NoError(t, err)
 	var at string
 	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_logical_emit_message(true, $1, 'not json either')::text`,
-		relay.AnswersPrefix).Scan(&at))
+		wire.AnswersPrefix).Scan(&at))
 	require.NoError(t, tx.Commit(ctx))
 	lsn, err := pglogrepl.ParseLSN(at)
 	require.NoError(t, err)
-	wantDead[relay.DeadLetterMsgID(lsn)] = deadWant{kind: relay.DeadLetterAnswers, raw: []byte("not json either")}
+	wantDead[wire.DeadLetterMsgID(lsn.String())] = deadWant{kind: wire.DeadLetterAnswers, raw: []byte("not json either")}
 
 	// 2. An outcome answering 70,000 outbox rows.
 	const n = 70_000
@@ -98,7 +98,7 @@ func TestPoisonRun(t *testing.T) {
 	require.NoError(t, err)
 	tx, err = b.db.Pool.Begin(ctx)
 	require.NoError(t, err)
-	_, err = tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2)`, relay.AnswersPrefix, string(answers))
+	_, err = tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2)`, wire.AnswersPrefix, string(answers))
 	require.NoError(t, err)
 	_, err = tx.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('r-huge', $1, 'assistant', 'done')`, convs[1])
 	require.NoError(t, err)
@@ -115,11 +115,11 @@ func TestPoisonRun(t *testing.T) {
 			VALUES ('u-infinity', $1, 'user', 'hello') RETURNING id, conversation_id)
 		INSERT INTO agent_outbox (conversation_id, message_id, created_at)
 		SELECT conversation_id, id, 'infinity' FROM m RETURNING id`, convs[2]).Scan(&infinite))
-	wantDead["turn"] = deadWant{kind: relay.DeadLetterTurn, table: "public.agent_outbox", raw: []byte("infinity")}
+	wantDead["turn"] = deadWant{kind: wire.DeadLetterTurn, table: "public.agent_outbox", raw: []byte("infinity")}
 	_, err = tx.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content, created_at)
 		VALUES ('r-infinity', $1, 'assistant', 'never published', 'infinity')`, convs[2])
 	require.NoError(t, err)
-	wantDead["outcome"] = deadWant{kind: relay.DeadLetterOutcome, table: "public.messages", raw: []byte("r-infinity")}
+	wantDead["outcome"] = deadWant{kind: wire.DeadLetterOutcome, table: "public.messages", raw: []byte("r-infinity")}
 	_, err = send(ctx, tx, convs[2], "after-infinity")
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
@@ -167,7 +167,7 @@ func TestPoisonRun(t *testing.T) {
 	}
 	require.NoError(t, rows.Err())
 	for _, m := range turns {
-		var ev relay.TurnEvent
+		var ev wire.TurnEvent
 		require.NoError(t, json.Unmarshal(m.data, &ev))
 		require.True(t, created[ev.OutboxID].Equal(ev.CreatedAt), "outbox %d created_at %s, want %s", ev.OutboxID, ev.CreatedAt, created[ev.OutboxID])
 	}
@@ -175,11 +175,11 @@ func TestPoisonRun(t *testing.T) {
 	// The 70,000-id outcome once, within the max payload; the infinite reply not at all.
 	outcomes := b.readStream(t, "AGENT_OUTCOMES")
 	require.Len(t, outcomes, 1)
-	var out relay.OutcomeEvent
+	var out wire.OutcomeEvent
 	require.NoError(t, json.Unmarshal(outcomes[0].data, &out))
 	require.Equal(t, "r-huge", out.MessageID)
-	require.Equal(t, ids[:relay.MaxBodyOutboxIDs], out.OutboxIDs)
-	require.Equal(t, n-relay.MaxBodyOutboxIDs, out.OutboxIDsOmitted)
+	require.Equal(t, ids[:wire.MaxBodyOutboxIDs], out.OutboxIDs)
+	require.Equal(t, n-wire.MaxBodyOutboxIDs, out.OutboxIDsOmitted)
 	require.LessOrEqual(t, wireSize(outcomes[0].header, outcomes[0].data), int(b.nc.MaxPayload()))
 
 	// One dead-letter record per poison change, with its kind.
@@ -191,7 +191,7 @@ func TestPoisonRun(t *testing.T) {
 		lsn, err := pglogrepl.ParseLSN(rec.LSN)
 		require.NoError(t, err, "lsn %q", rec.LSN)
 		msgID := m.header.Get(nats.MsgIdHdr)
-		require.Equal(t, relay.DeadLetterMsgID(lsn), msgID)
+		require.Equal(t, wire.DeadLetterMsgID(lsn.String()), msgID)
 		require.Equal(t, "agent.deadletter."+rec.Kind, m.subject)
 		require.NotEmpty(t, rec.Reason)
 		require.LessOrEqual(t, wireSize(m.header, m.data), int(b.nc.MaxPayload()))
@@ -205,7 +205,7 @@ func TestPoisonRun(t *testing.T) {
 		require.True(t, ok, "unexpected dead-letter record %s of kind %s: %s", msgID, rec.Kind, rec.Reason)
 		require.Equal(t, w.kind, rec.Kind, msgID)
 		require.Equal(t, w.table, rec.Table, msgID)
-		if w.kind == relay.DeadLetterAnswers {
+		if w.kind == wire.DeadLetterAnswers {
 			require.Equal(t, len(w.raw), rec.RawBytes, msgID)
 			require.Equal(t, w.raw[:min(len(w.raw), len(rec.Raw))], rec.Raw, msgID)
 			require.NotEmpty(t, rec.Raw, msgID)

@@ -22,6 +22,7 @@ import (
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // peakRSS reads a process's peak resident set size.
@@ -215,7 +216,7 @@ func TestLostSlotIsLoudAndRecoverable(t *testing.T) {
 	require.NoError(t, err)
 	b.startActive(t)
 	msgs := b.waitStream(t, "AGENT_TURNS", 1, time.Minute)
-	require.Equal(t, relay.TurnMsgID(1), msgs[0].header.Get("Nats-Msg-Id"))
+	require.Equal(t, wire.TurnMsgID(1), msgs[0].header.Get("Nats-Msg-Id"))
 	t.Cleanup(func() { _, _ = conn.Exec(context.Background(), `SELECT pg_drop_replication_slot('baton')`) })
 }
 

@@ -19,9 +19,9 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
-	"github.com/batonhq/baton/internal/subject"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 func TestMain(m *testing.M) { os.Exit(testsvc.MainNoLeaks(m)) }
@@ -174,7 +174,7 @@ func assertExactlyOnceInOrder(t *testing.T, msgs []got, want map[int64]string) {
 	seen := map[int64]bool{}
 	last := map[string]int64{}
 	for _, m := range msgs {
-		id, err := strconv.ParseInt(m.header.Get(relay.HeaderOutboxID), 10, 64)
+		id, err := strconv.ParseInt(m.header.Get(wire.HeaderOutboxID), 10, 64)
 		require.NoError(t, err)
 		require.False(t, seen[id], "outbox id %d published twice", id)
 		seen[id] = true
@@ -222,18 +222,18 @@ func TestRelaysTenThousandRowsInOrder(t *testing.T) {
 
 	// Headers and body as DESIGN.md specifies.
 	m := msgs[0]
-	id, _ := strconv.ParseInt(m.header.Get(relay.HeaderOutboxID), 10, 64)
-	var ev relay.TurnEvent
+	id, _ := strconv.ParseInt(m.header.Get(wire.HeaderOutboxID), 10, 64)
+	var ev wire.TurnEvent
 	require.NoError(t, json.Unmarshal(m.data, &ev))
 	require.Equal(t, id, ev.OutboxID)
 	require.Equal(t, want[id], ev.ConversationID)
 	require.Equal(t, "pending", ev.Status)
 	require.Zero(t, ev.Attempts)
 	require.WithinDuration(t, time.Now(), ev.CreatedAt, 5*time.Minute)
-	require.Equal(t, ev.ConversationID, m.header.Get(relay.HeaderConversationID))
-	require.Equal(t, ev.MessageID, m.header.Get(relay.HeaderMessageID))
-	require.Equal(t, relay.TurnMsgID(id), m.header.Get(nats.MsgIdHdr))
-	wantSubj, _ := subject.Turns("agent", ev.ConversationID)
+	require.Equal(t, ev.ConversationID, m.header.Get(wire.HeaderConversationID))
+	require.Equal(t, ev.MessageID, m.header.Get(wire.HeaderMessageID))
+	require.Equal(t, wire.TurnMsgID(id), m.header.Get(nats.MsgIdHdr))
+	wantSubj, _ := wire.TurnSubject("agent", ev.ConversationID)
 	require.Equal(t, wantSubj, m.subject)
 	require.NotContains(t, string(m.data), "hello", "the turn event carries no message content")
 
@@ -355,12 +355,12 @@ func TestHostileConversationIDs(t *testing.T) {
 	assertExactlyOnceInOrder(t, msgs, want)
 	subjects := map[string]string{}
 	for _, m := range msgs {
-		var ev relay.TurnEvent
+		var ev wire.TurnEvent
 		require.NoError(t, json.Unmarshal(m.data, &ev))
 		require.Equal(t, want[ev.OutboxID], ev.ConversationID, "body carries the exact id")
-		kind, conv, err := subject.Parse("agent", m.subject)
+		kind, conv, err := wire.ParseSubject("agent", m.subject)
 		require.NoError(t, err, "subject %q", m.subject)
-		require.Equal(t, subject.KindTurns, kind)
+		require.Equal(t, wire.KindTurns, kind)
 		require.Equal(t, ev.ConversationID, conv, "subject %q decodes to its own conversation", m.subject)
 		prev, dup := subjects[m.subject]
 		require.False(t, dup, "conversations %q and %q share subject %q", prev, conv, m.subject)
@@ -371,7 +371,7 @@ func TestHostileConversationIDs(t *testing.T) {
 	s, err := b.js.Stream(ctx, "AGENT_TURNS")
 	require.NoError(t, err)
 	for _, c := range hostile {
-		subj, err := subject.Turns("agent", c)
+		subj, err := wire.TurnSubject("agent", c)
 		require.NoError(t, err)
 		cons, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{FilterSubjects: []string{subj}})
 		require.NoError(t, err)
@@ -379,7 +379,7 @@ func TestHostileConversationIDs(t *testing.T) {
 		require.NoError(t, err)
 		n := 0
 		for m := range batch.Messages() {
-			var ev relay.TurnEvent
+			var ev wire.TurnEvent
 			require.NoError(t, json.Unmarshal(m.Data(), &ev))
 			require.Equal(t, c, ev.ConversationID)
 			n++
@@ -407,14 +407,14 @@ func TestLargeOutcomeIsFlaggedNotDropped(t *testing.T) {
 
 	outcomes := b.waitStream(t, "AGENT_OUTCOMES", 2, time.Minute)
 	require.Len(t, outcomes, 2, "user messages are not outcomes")
-	var first, second relay.OutcomeEvent
+	var first, second wire.OutcomeEvent
 	require.NoError(t, json.Unmarshal(outcomes[0].data, &first))
 	require.NoError(t, json.Unmarshal(outcomes[1].data, &second))
 	require.Equal(t, "r-big", first.MessageID)
 	require.True(t, first.ContentOmitted)
 	require.Empty(t, first.Content)
 	require.Equal(t, len(big), first.ContentBytes)
-	require.Equal(t, "true", outcomes[0].header.Get(relay.HeaderContentOmitted))
+	require.Equal(t, "true", outcomes[0].header.Get(wire.HeaderContentOmitted))
 	require.Equal(t, "assistant", first.Role)
 	require.Equal(t, "r-small", second.MessageID)
 	require.Equal(t, "fine", second.Content)
@@ -434,17 +434,17 @@ func TestOutcomeCarriesAnsweredOutboxIDs(t *testing.T) {
 	require.NoError(t, err)
 	tx, err := b.db.Pool.Begin(ctx)
 	require.NoError(t, err)
-	_, err = tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2)`, relay.AnswersPrefix,
+	_, err = tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2)`, wire.AnswersPrefix,
 		fmt.Sprintf(`{"message_id":"r1","outbox_ids":[%d,%d]}`, id1, id2))
 	require.NoError(t, err)
 	_, err = tx.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('r1', 'c', 'assistant', 'hi')`)
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
 	outcomes := b.waitStream(t, "AGENT_OUTCOMES", 1, 30*time.Second)
-	var ev relay.OutcomeEvent
+	var ev wire.OutcomeEvent
 	require.NoError(t, json.Unmarshal(outcomes[0].data, &ev))
 	require.Equal(t, []int64{id1, id2}, ev.OutboxIDs)
-	require.Equal(t, fmt.Sprintf("%d,%d", id1, id2), outcomes[0].header.Get(relay.HeaderOutboxID))
+	require.Equal(t, fmt.Sprintf("%d,%d", id1, id2), outcomes[0].header.Get(wire.HeaderOutboxID))
 }
 
 func TestSetupErrorsAreClear(t *testing.T) {

@@ -8,7 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // Per-database settings apply to every new session, replication ones included: a DateStyle of
@@ -43,14 +43,14 @@ func TestDatabaseDateStyleAndTimeZoneDoNotChangeWhatIsPublished(t *testing.T) {
 	require.NoError(t, err)
 
 	turns := b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
-	var turn relay.TurnEvent
+	var turn wire.TurnEvent
 	require.NoError(t, json.Unmarshal(turns[0].data, &turn))
 	require.Equal(t, outboxID, turn.OutboxID)
 	require.True(t, want.Equal(turn.CreatedAt), "turn created_at %s, want %s", turn.CreatedAt, want)
 	require.Equal(t, time.UTC, turn.CreatedAt.Location())
 
 	outcomes := b.waitStream(t, "AGENT_OUTCOMES", 1, 30*time.Second)
-	var out relay.OutcomeEvent
+	var out wire.OutcomeEvent
 	require.NoError(t, json.Unmarshal(outcomes[0].data, &out))
 	require.True(t, want.Add(time.Second).Equal(out.CreatedAt), "outcome created_at %s, want %s", out.CreatedAt, want.Add(time.Second))
 }

@@ -13,7 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/batonhq/baton/internal/config"
-	"github.com/batonhq/baton/internal/subject"
+	"github.com/batonhq/baton/wire"
 )
 
 // ErrSetup wraps misconfiguration that retrying cannot fix: a database URL that does not parse,
@@ -110,15 +110,15 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) err
 		name, kind, desc string
 		maxAge           time.Duration
 	}{
-		{cfg.TurnsStream, subject.KindTurns, "Baton turns events relayed from Postgres", cfg.Streams.MaxAge},
-		{cfg.OutcomesStream, subject.KindOutcomes, "Baton outcomes events relayed from Postgres", cfg.Streams.MaxAge},
+		{cfg.TurnsStream, wire.KindTurns, "Baton turns events relayed from Postgres", cfg.Streams.MaxAge},
+		{cfg.OutcomesStream, wire.KindOutcomes, "Baton outcomes events relayed from Postgres", cfg.Streams.MaxAge},
 		// Limits retention like the others; records age out after DeadLetterMaxAge.
-		{cfg.DeadLetterStream, subject.KindDeadLetter, "Baton relay: changes set aside because no retry could publish them", cfg.DeadLetterMaxAge},
+		{cfg.DeadLetterStream, wire.KindDeadLetter, "Baton relay: changes set aside because no retry could publish them", cfg.DeadLetterMaxAge},
 	} {
 		want := jetstream.StreamConfig{
 			Name:        s.name,
 			Description: s.desc,
-			Subjects:    []string{subject.StreamFilter(cfg.SubjectPrefix, s.kind)},
+			Subjects:    []string{wire.StreamFilter(cfg.SubjectPrefix, s.kind)},
 			Storage:     jetstream.FileStorage,
 			Retention:   jetstream.LimitsPolicy,
 			Discard:     jetstream.DiscardOld,

@@ -15,6 +15,7 @@ import (
 
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // A NATS server that stops reading (a stalled server, a path that drops everything and keeps
@@ -92,7 +93,7 @@ func TestStalledNATSBlocksNeitherStatusUpdatesNorShutdown(t *testing.T) {
 	msgs := b.waitStream(t, "AGENT_OUTCOMES", replies, time.Minute)
 	seen := map[string]int{}
 	for _, m := range msgs {
-		var ev relay.OutcomeEvent
+		var ev wire.OutcomeEvent
 		require.NoError(t, json.Unmarshal(m.data, &ev))
 		seen[ev.MessageID]++
 	}

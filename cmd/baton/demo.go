@@ -24,10 +24,10 @@ import (
 	"github.com/batonhq/baton/internal/config"
 	"github.com/batonhq/baton/internal/localsvc"
 	"github.com/batonhq/baton/internal/opsserver"
-	"github.com/batonhq/baton/internal/subject"
 	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/producer"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 const demoSummary = "send messages through producer, relay, JetStream and two echo workers, and check each gets exactly one outcome"
@@ -291,8 +291,8 @@ func (d *demo) run(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	d.stream = relay.StreamName(cfg.SubjectPrefix, subject.KindTurns)
-	d.outcomes = relay.StreamName(cfg.SubjectPrefix, subject.KindOutcomes)
+	d.stream = wire.StreamName(cfg.SubjectPrefix, wire.KindTurns)
+	d.outcomes = wire.StreamName(cfg.SubjectPrefix, wire.KindOutcomes)
 	prod, err := producer.New(producer.Config{Logger: d.log})
 	if err != nil {
 		return err
@@ -400,12 +400,12 @@ func (d *demo) flow(ctx, gctx context.Context, r *relay.Relay, nc *nats.Conn, po
 		d.printf("interrupted before sending anything\n")
 		return res, nil
 	}
-	turns, err := d.subscribe(gctx, js, d.stream, subject.StreamFilter(cfg.SubjectPrefix, subject.KindTurns), d.onTurn)
+	turns, err := d.subscribe(gctx, js, d.stream, wire.StreamFilter(cfg.SubjectPrefix, wire.KindTurns), d.onTurn)
 	if err != nil {
 		return res, err
 	}
 	defer stopConsume(turns, d.stream, d.log)
-	outcomes, err := d.subscribe(gctx, js, d.outcomes, subject.StreamFilter(cfg.SubjectPrefix, subject.KindOutcomes), d.onOutcome)
+	outcomes, err := d.subscribe(gctx, js, d.outcomes, wire.StreamFilter(cfg.SubjectPrefix, wire.KindOutcomes), d.onOutcome)
 	if err != nil {
 		return res, err
 	}
@@ -556,7 +556,7 @@ func storedAt(m jetstream.Msg) time.Time {
 
 // onTurn counts a turn event of this run.
 func (d *demo) onTurn(m jetstream.Msg) {
-	var ev relay.TurnEvent
+	var ev wire.TurnEvent
 	if err := json.Unmarshal(m.Data(), &ev); err != nil {
 		d.log.Warn("undecodable turn event", "subject", m.Subject(), "error", err)
 		return
@@ -570,7 +570,7 @@ func (d *demo) onTurn(m jetstream.Msg) {
 // onOutcome is the outcome subscriber: like examples/subscriber it dedupes by message id, and
 // it maps each outcome to the sent messages it answers by the outbox ids it names.
 func (d *demo) onOutcome(m jetstream.Msg) {
-	var ev relay.OutcomeEvent
+	var ev wire.OutcomeEvent
 	if err := json.Unmarshal(m.Data(), &ev); err != nil || ev.MessageID == "" {
 		d.log.Warn("undecodable outcome event", "subject", m.Subject(), "error", err)
 		return

@@ -20,11 +20,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/consumer"
-	"github.com/batonhq/baton/internal/subject"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/producer"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // roleNameRE finds the role names in roles.sql. Roles are cluster-wide and tests share a
@@ -429,8 +429,8 @@ func TestRolesRelay(t *testing.T) {
 		}
 		return info.State.Msgs
 	}
-	turns := relay.StreamName(prefix, subject.KindTurns)
-	outcomes := relay.StreamName(prefix, subject.KindOutcomes)
+	turns := wire.StreamName(prefix, wire.KindTurns)
+	outcomes := wire.StreamName(prefix, wire.KindOutcomes)
 	require.Eventually(t, func() bool { return count(turns) == 2 && count(outcomes) == 1 },
 		30*time.Second, 20*time.Millisecond, "turns and outcomes published by the relay role")
 

@@ -57,7 +57,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/batonhq/baton/internal/config"
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 func main() {
@@ -110,7 +110,7 @@ func run(ctx context.Context) error {
 		return err
 	}
 
-	stream := relay.StreamName(cfg.SubjectPrefix, "outcomes") // AGENT_OUTCOMES
+	stream := wire.StreamName(cfg.SubjectPrefix, "outcomes") // AGENT_OUTCOMES
 	cons, err := durableConsumer(ctx, js, log, stream, cfg.SubjectPrefix+".outcomes.>", *durable, start)
 	if err != nil || cons == nil {
 		return err // nil, nil: stopped while waiting for the stream
@@ -205,7 +205,7 @@ type printer struct {
 }
 
 func (p *printer) handle(msg jetstream.Msg) {
-	var ev relay.OutcomeEvent
+	var ev wire.OutcomeEvent
 	if err := json.Unmarshal(msg.Data(), &ev); err != nil || ev.MessageID == "" {
 		// Redelivering a message we cannot read would not help: stop its delivery for good.
 		p.log.Error("not an outcome event; terminating it", "subject", msg.Subject(), "error", err)

@@ -23,6 +23,7 @@ import (
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/producer"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 func TestMain(m *testing.M) { os.Exit(testsvc.MainNoLeaks(m)) }
@@ -274,7 +275,7 @@ func TestSubscriberPrintsEachOutcomeOnceAndReplaysFromTime(t *testing.T) {
 	require.NoError(t, err)
 	orig, err := stream.GetLastMsgForSubject(b.ctx(), "agent.outcomes.c1")
 	require.NoError(t, err)
-	require.Equal(t, batch2[0], orig.Header.Get(relay.HeaderMessageID))
+	require.Equal(t, batch2[0], orig.Header.Get(wire.HeaderMessageID))
 	dup := nats.NewMsg(orig.Subject)
 	for k, v := range orig.Header {
 		dup.Header[k] = append([]string(nil), v...)

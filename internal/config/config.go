@@ -24,7 +24,7 @@ import (
 	"github.com/caarlos0/env/v11"
 
 	"github.com/batonhq/baton/internal/pgname"
-	"github.com/batonhq/baton/internal/subject"
+	"github.com/batonhq/baton/wire"
 )
 
 // Names of the environment variables Baton reads.
@@ -206,7 +206,7 @@ func (c Config) Validate() error {
 			bad(EnvNATSURL, "%v", err)
 		}
 	}
-	if err := subject.ValidatePrefix(c.SubjectPrefix); err != nil {
+	if err := wire.ValidatePrefix(c.SubjectPrefix); err != nil {
 		bad(EnvSubjectPrefix, "must be dot-separated tokens of [A-Za-z0-9_-], no wildcards (got %q)", c.SubjectPrefix)
 	}
 	if err := pgname.Slot(c.Slot); err != nil {

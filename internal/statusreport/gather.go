@@ -9,9 +9,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/batonhq/baton/internal/subject"
 	"github.com/batonhq/baton/migrations"
-	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
 )
 
 // DB is what Gather reads Postgres with; *pgx.Conn and *pgxpool.Pool satisfy it.
@@ -128,8 +127,8 @@ func StreamsUnreachable(url string, err error) Streams {
 func GatherStreams(ctx context.Context, js jetstream.JetStream, url string, opts Options) Streams {
 	opts.fill()
 	s := Streams{Checked: true, URL: url}
-	s.Turns = readStream(ctx, js, relay.StreamName(opts.SubjectPrefix, subject.KindTurns))
-	s.Outcomes = readStream(ctx, js, relay.StreamName(opts.SubjectPrefix, subject.KindOutcomes))
+	s.Turns = readStream(ctx, js, wire.StreamName(opts.SubjectPrefix, wire.KindTurns))
+	s.Outcomes = readStream(ctx, js, wire.StreamName(opts.SubjectPrefix, wire.KindOutcomes))
 	s.Consumer = readConsumer(ctx, js, s.Turns.Name, opts.Durable)
 	return s
 }

@@ -14,12 +14,14 @@ package statusreport
 
 import (
 	"time"
+
+	"github.com/batonhq/baton/wire"
 )
 
 // Defaults of Options.
 const (
 	DefaultSlot          = "baton"
-	DefaultSubjectPrefix = "agent"
+	DefaultSubjectPrefix = wire.DefaultSubjectPrefix
 	DefaultDurable       = "baton-workers"
 	DefaultStaleAfter    = 5 * time.Minute
 )
@@ -28,7 +30,7 @@ const (
 type Options struct {
 	// Slot is the relay's replication slot. Default "baton".
 	Slot string
-	// SubjectPrefix names the streams: relay.StreamName(prefix, "turns"|"outcomes").
+	// SubjectPrefix names the streams: wire.StreamName(prefix, "turns"|"outcomes").
 	// Default "agent".
 	SubjectPrefix string
 	// Durable is the workers' durable consumer on the turns stream. Default "baton-workers".

@@ -1,31 +1,4 @@
-// Package subject builds and parses the NATS subjects Baton publishes on.
-//
-// Subjects have the form
-//
-//	<prefix>.turns.<conv>
-//	<prefix>.outcomes.<conv>
-//
-// where <conv> is the token of a conversation id (see [Token]):
-//
-//   - the id itself when it matches ^[A-Za-z0-9_-]{1,200}$ (a "plain" id);
-//   - otherwise "~" followed by the unpadded base64url encoding
-//     ([encoding/base64.RawURLEncoding]) of the id's bytes.
-//
-// Guarantee: no conversation id can reach another conversation's subject or a
-// wildcard. Every token is one non-empty NATS subject token made only of
-// [A-Za-z0-9_-] and, as its first byte only, "~", so it never contains ".",
-// "*", ">" or whitespace. Plain ids never contain "~" and encoded tokens always
-// start with "~", so the two spaces cannot collide. The mapping is a bijection
-// between valid ids and canonical tokens: [Decode] accepts exactly the tokens
-// [Token] produces, so every id has exactly one token and every accepted token
-// names exactly one id.
-//
-// Ids are treated as bytes. Invalid UTF-8 and NUL bytes are encoded like any
-// other non-plain byte and round-trip exactly, although Postgres text columns
-// cannot hold them.
-//
-// Everything here is pure: no I/O, no shared state, no regular expressions.
-package subject
+package wire
 
 import (
 	"encoding/base64"
@@ -44,24 +17,25 @@ const (
 	KindOutcomes = "outcomes"
 	// KindDeadLetter is the kind of the relay's dead-letter subjects,
 	// <prefix>.deadletter.<what>, where <what> names the kind of change set aside
-	// (answers, turn, outcome). They carry no conversation id: Parse rejects them.
+	// (answers, turn, outcome). They carry no conversation id: ParseSubject rejects them.
 	KindDeadLetter = "deadletter"
 )
 
-// MaxIDLen is the maximum length of a conversation id, in bytes.
-const MaxIDLen = 200
+// MaxConversationIDLen is the maximum length of a conversation id, in bytes.
+const MaxConversationIDLen = 200
 
 // encodedMark starts every encoded token. It is outside the plain alphabet.
 const encodedMark = '~'
 
 // maxTokenLen is the length of the longest token: the mark plus the unpadded
-// base64url of MaxIDLen bytes.
-var maxTokenLen = 1 + base64.RawURLEncoding.EncodedLen(MaxIDLen)
+// base64url of MaxConversationIDLen bytes.
+var maxTokenLen = 1 + base64.RawURLEncoding.EncodedLen(MaxConversationIDLen)
 
-// Sentinel errors. Every error returned by this package wraps one of them.
+// Errors of the subject encoding. Every error returned by Token, ParseToken, ValidatePrefix,
+// TurnSubject, OutcomeSubject and ParseSubject wraps one of them.
 var (
 	// ErrInvalidConversationID reports a conversation id that has no token:
-	// it is empty or longer than MaxIDLen bytes.
+	// it is empty or longer than MaxConversationIDLen bytes.
 	ErrInvalidConversationID = errors.New("invalid conversation id")
 	// ErrInvalidToken reports a string that is not a canonical token.
 	ErrInvalidToken = errors.New("invalid conversation token")
@@ -95,16 +69,16 @@ func isPlain(s string) bool {
 // Token returns the subject token of conversationID: the id itself when it
 // matches ^[A-Za-z0-9_-]{1,200}$, otherwise "~" followed by the unpadded
 // base64url encoding of its bytes. The id is treated as bytes, so invalid
-// UTF-8 is encoded too and round-trips through [Decode].
+// UTF-8 is encoded too and round-trips through [ParseToken].
 //
 // It returns an error wrapping [ErrInvalidConversationID] when the id is
-// empty or longer than [MaxIDLen] bytes.
+// empty or longer than [MaxConversationIDLen] bytes.
 func Token(conversationID string) (string, error) {
 	switch n := len(conversationID); {
 	case n == 0:
 		return "", fmt.Errorf("conversation id is empty: %w", ErrInvalidConversationID)
-	case n > MaxIDLen:
-		return "", fmt.Errorf("conversation id is %d bytes, max %d: %w", n, MaxIDLen, ErrInvalidConversationID)
+	case n > MaxConversationIDLen:
+		return "", fmt.Errorf("conversation id is %d bytes, max %d: %w", n, MaxConversationIDLen, ErrInvalidConversationID)
 	}
 	if isPlain(conversationID) {
 		return conversationID, nil
@@ -115,18 +89,18 @@ func Token(conversationID string) (string, error) {
 	return string(buf), nil
 }
 
-// Decode returns the conversation id whose token is token. It is the inverse
+// ParseToken returns the conversation id whose token is token. It is the inverse
 // of [Token] and accepts only canonical tokens, so Token(id) == token whenever
 // it succeeds. It rejects, with an error wrapping [ErrInvalidToken], empty or
 // over-long tokens, bytes outside the token alphabet, padding, base64 with
 // non-zero trailing bits, and "~" tokens whose id would have been plain.
-func Decode(token string) (string, error) {
+func ParseToken(token string) (string, error) {
 	if token == "" {
 		return "", fmt.Errorf("token is empty: %w", ErrInvalidToken)
 	}
 	if token[0] != encodedMark {
-		if len(token) > MaxIDLen {
-			return "", fmt.Errorf("plain token is %d bytes, max %d: %w", len(token), MaxIDLen, ErrInvalidToken)
+		if len(token) > MaxConversationIDLen {
+			return "", fmt.Errorf("plain token is %d bytes, max %d: %w", len(token), MaxConversationIDLen, ErrInvalidToken)
 		}
 		if !isPlain(token) {
 			return "", fmt.Errorf("plain token %q has a byte outside [A-Za-z0-9_-]: %w", token, ErrInvalidToken)
@@ -147,9 +121,9 @@ func Decode(token string) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("encoded token %q: %w: %w", token, ErrInvalidToken, err)
 	}
-	if len(id) > MaxIDLen {
+	if len(id) > MaxConversationIDLen {
 		// Unreachable given maxTokenLen; kept so the bound does not depend on arithmetic.
-		return "", fmt.Errorf("encoded token %q decodes to %d bytes, max %d: %w", token, len(id), MaxIDLen, ErrInvalidToken)
+		return "", fmt.Errorf("encoded token %q decodes to %d bytes, max %d: %w", token, len(id), MaxConversationIDLen, ErrInvalidToken)
 	}
 	if isPlain(string(id)) {
 		return "", fmt.Errorf("encoded token %q names plain id %q, whose token is the id itself: %w", token, id, ErrInvalidToken)
@@ -180,17 +154,17 @@ func ValidatePrefix(prefix string) error {
 	return nil
 }
 
-// Turns returns the subject of turn events for conversationID:
+// TurnSubject returns the subject of turn events for conversationID:
 // <prefix>.turns.<token>. It validates prefix and the id; see [ValidatePrefix]
 // and [Token].
-func Turns(prefix, conversationID string) (string, error) {
+func TurnSubject(prefix, conversationID string) (string, error) {
 	return build(prefix, KindTurns, conversationID)
 }
 
-// Outcomes returns the subject of outcome events for conversationID:
+// OutcomeSubject returns the subject of outcome events for conversationID:
 // <prefix>.outcomes.<token>. It validates prefix and the id; see
 // [ValidatePrefix] and [Token].
-func Outcomes(prefix, conversationID string) (string, error) {
+func OutcomeSubject(prefix, conversationID string) (string, error) {
 	return build(prefix, KindOutcomes, conversationID)
 }
 
@@ -205,14 +179,14 @@ func build(prefix, kind, conversationID string) (string, error) {
 	return prefix + "." + kind + "." + tok, nil
 }
 
-// Parse splits a subject of the form <prefix>.turns.<token> or
+// ParseSubject splits a subject of the form <prefix>.turns.<token> or
 // <prefix>.outcomes.<token> into its kind ([KindTurns] or [KindOutcomes]) and
 // the decoded conversation id. It fails with an error wrapping
 // [ErrInvalidPrefix] if prefix is invalid, and with one wrapping
 // [ErrInvalidSubject] if subject is not of that form (a bad token also wraps
-// [ErrInvalidToken]). Parse accepts exactly the subjects [Turns] and
-// [Outcomes] build.
-func Parse(prefix, subject string) (kind string, conversationID string, err error) {
+// [ErrInvalidToken]). ParseSubject accepts exactly the subjects [TurnSubject] and
+// [OutcomeSubject] build.
+func ParseSubject(prefix, subject string) (kind string, conversationID string, err error) {
 	if err := ValidatePrefix(prefix); err != nil {
 		return "", "", err
 	}
@@ -227,7 +201,7 @@ func Parse(prefix, subject string) (kind string, conversationID string, err erro
 	if kind != KindTurns && kind != KindOutcomes {
 		return "", "", fmt.Errorf("subject %q: kind %q is neither %q nor %q: %w", subject, kind, KindTurns, KindOutcomes, ErrInvalidSubject)
 	}
-	id, err := Decode(tok)
+	id, err := ParseToken(tok)
 	if err != nil {
 		return "", "", fmt.Errorf("subject %q: %w: %w", subject, ErrInvalidSubject, err)
 	}
@@ -240,4 +214,23 @@ func Parse(prefix, subject string) (kind string, conversationID string, err erro
 // [KindOutcomes] or [KindDeadLetter].
 func StreamFilter(prefix, kind string) string {
 	return prefix + "." + kind + ".>"
+}
+
+// DefaultSubjectPrefix is the subject prefix Baton uses when none is configured
+// (BATON_SUBJECT_PREFIX): subjects agent.turns.<conv>, streams AGENT_TURNS.
+const DefaultSubjectPrefix = "agent"
+
+// StreamName returns the default stream name for a subject prefix and kind: "agent", "turns"
+// gives "AGENT_TURNS". The prefix is upper-cased, with dots and dashes as underscores.
+func StreamName(prefix, kind string) string {
+	b := []byte(prefix + "_" + kind)
+	for i, c := range b {
+		switch {
+		case c >= 'a' && c <= 'z':
+			b[i] = c - 'a' + 'A'
+		case c == '.' || c == '-':
+			b[i] = '_'
+		}
+	}
+	return string(b)
 }

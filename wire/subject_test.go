@@ -1,4 +1,4 @@
-package subject
+package wire
 
 import (
 	"encoding/base64"
@@ -78,7 +78,7 @@ func TestToken(t *testing.T) {
 			require.Equal(t, plain, tok == tc.id)
 			require.Equal(t, !plain, strings.HasPrefix(tok, "~"))
 
-			got, err := Decode(tok)
+			got, err := ParseToken(tok)
 			require.NoError(t, err)
 			require.Equal(t, tc.id, got)
 		})
@@ -87,14 +87,14 @@ func TestToken(t *testing.T) {
 
 func TestTokenLengths(t *testing.T) {
 	t.Parallel()
-	require.Len(t, strings.Repeat("🙂", 50), MaxIDLen)
+	require.Len(t, strings.Repeat("🙂", 50), MaxConversationIDLen)
 
-	for _, id := range []string{strings.Repeat("x", MaxIDLen), strings.Repeat("\xff", MaxIDLen)} {
+	for _, id := range []string{strings.Repeat("x", MaxConversationIDLen), strings.Repeat("\xff", MaxConversationIDLen)} {
 		tok, err := Token(id)
 		require.NoError(t, err)
 		requireTokenCharset(t, tok)
 	}
-	tok, err := Token(strings.Repeat("\xff", MaxIDLen))
+	tok, err := Token(strings.Repeat("\xff", MaxConversationIDLen))
 	require.NoError(t, err)
 	require.Len(t, tok, maxTokenLen, "the longest id gives the longest token")
 }
@@ -114,9 +114,9 @@ func TestTokenRejects(t *testing.T) {
 			require.ErrorIs(t, err, ErrInvalidConversationID)
 			require.Empty(t, tok)
 
-			_, err = Turns("agent", id)
+			_, err = TurnSubject("agent", id)
 			require.ErrorIs(t, err, ErrInvalidConversationID)
-			_, err = Outcomes("agent", id)
+			_, err = OutcomeSubject("agent", id)
 			require.ErrorIs(t, err, ErrInvalidConversationID)
 		})
 	}
@@ -129,7 +129,7 @@ func TestTokenDistinct(t *testing.T) {
 	ids := map[string]bool{}
 	for _, tc := range hostileIDs {
 		ids[tc.id] = true
-		if len(tc.want) <= MaxIDLen {
+		if len(tc.want) <= MaxConversationIDLen {
 			ids[tc.want] = true // a token used as an id
 		}
 	}
@@ -143,7 +143,7 @@ func TestTokenDistinct(t *testing.T) {
 	}
 }
 
-func TestDecodeRejects(t *testing.T) {
+func TestParseTokenRejects(t *testing.T) {
 	t.Parallel()
 	for name, tok := range map[string]string{
 		"empty":                      "",
@@ -178,7 +178,7 @@ func TestDecodeRejects(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			id, err := Decode(tok)
+			id, err := ParseToken(tok)
 			require.ErrorIs(t, err, ErrInvalidToken)
 			require.Empty(t, id)
 		})
@@ -204,23 +204,23 @@ func TestSubjects(t *testing.T) {
 	t.Parallel()
 	for _, prefix := range []string{"agent", "baton.prod"} {
 		for _, tc := range hostileIDs {
-			turns, err := Turns(prefix, tc.id)
+			turns, err := TurnSubject(prefix, tc.id)
 			require.NoError(t, err)
 			require.Equal(t, prefix+".turns."+tc.want, turns)
 
-			outcomes, err := Outcomes(prefix, tc.id)
+			outcomes, err := OutcomeSubject(prefix, tc.id)
 			require.NoError(t, err)
 			require.Equal(t, prefix+".outcomes."+tc.want, outcomes)
 
 			// Exactly the prefix's tokens plus kind plus one conversation token.
 			require.Len(t, strings.Split(turns, "."), strings.Count(prefix, ".")+3)
 
-			kind, id, err := Parse(prefix, turns)
+			kind, id, err := ParseSubject(prefix, turns)
 			require.NoError(t, err)
 			require.Equal(t, KindTurns, kind)
 			require.Equal(t, tc.id, id)
 
-			kind, id, err = Parse(prefix, outcomes)
+			kind, id, err = ParseSubject(prefix, outcomes)
 			require.NoError(t, err)
 			require.Equal(t, KindOutcomes, kind)
 			require.Equal(t, tc.id, id)
@@ -234,16 +234,16 @@ func TestSubjects(t *testing.T) {
 func TestSubjectsRejectPrefix(t *testing.T) {
 	t.Parallel()
 	for _, prefix := range []string{"", "agent.", "agent.*", "a b"} {
-		_, err := Turns(prefix, "abc")
+		_, err := TurnSubject(prefix, "abc")
 		require.ErrorIs(t, err, ErrInvalidPrefix)
-		_, err = Outcomes(prefix, "abc")
+		_, err = OutcomeSubject(prefix, "abc")
 		require.ErrorIs(t, err, ErrInvalidPrefix)
-		_, _, err = Parse(prefix, prefix+".turns.abc")
+		_, _, err = ParseSubject(prefix, prefix+".turns.abc")
 		require.ErrorIs(t, err, ErrInvalidPrefix)
 	}
 }
 
-func TestParseRejects(t *testing.T) {
+func TestParseSubjectRejects(t *testing.T) {
 	t.Parallel()
 	for name, subj := range map[string]string{
 		"empty":                 "",
@@ -273,13 +273,13 @@ func TestParseRejects(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			kind, id, err := Parse("agent", subj)
+			kind, id, err := ParseSubject("agent", subj)
 			require.ErrorIs(t, err, ErrInvalidSubject)
 			require.Empty(t, kind)
 			require.Empty(t, id)
 		})
 	}
-	_, _, err := Parse("agent", "agent.turns.~YWJj")
+	_, _, err := ParseSubject("agent", "agent.turns.~YWJj")
 	require.ErrorIs(t, err, ErrInvalidToken, "a bad token also wraps ErrInvalidToken")
 }
 

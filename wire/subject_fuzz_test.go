@@ -1,4 +1,4 @@
-package subject
+package wire
 
 import (
 	"encoding/base64"
@@ -41,7 +41,7 @@ func FuzzToken(f *testing.F) {
 	addSeeds(f)
 	f.Fuzz(func(t *testing.T, id string) {
 		tok, err := Token(id)
-		if len(id) == 0 || len(id) > MaxIDLen {
+		if len(id) == 0 || len(id) > MaxConversationIDLen {
 			if !errors.Is(err, ErrInvalidConversationID) || tok != "" {
 				t.Fatalf("Token(%q) = %q, %v; want ErrInvalidConversationID", id, tok, err)
 			}
@@ -58,15 +58,15 @@ func FuzzToken(f *testing.F) {
 			t.Fatalf("Token(%q) = %q: plain=%v but token is in the wrong space", id, tok, plain)
 		}
 
-		got, err := Decode(tok)
+		got, err := ParseToken(tok)
 		if err != nil || got != id {
-			t.Fatalf("Decode(Token(%q)) = %q, %v", id, got, err)
+			t.Fatalf("ParseToken(Token(%q)) = %q, %v", id, got, err)
 		}
 
 		for _, build := range []struct {
 			kind string
 			fn   func(string, string) (string, error)
-		}{{KindTurns, Turns}, {KindOutcomes, Outcomes}} {
+		}{{KindTurns, TurnSubject}, {KindOutcomes, OutcomeSubject}} {
 			subj, err := build.fn("agent", id)
 			if err != nil {
 				t.Fatalf("%s(agent, %q): %v", build.kind, id, err)
@@ -74,59 +74,59 @@ func FuzzToken(f *testing.F) {
 			if want := "agent." + build.kind + "." + tok; subj != want {
 				t.Fatalf("%s(agent, %q) = %q, want %q", build.kind, id, subj, want)
 			}
-			kind, pid, err := Parse("agent", subj)
+			kind, pid, err := ParseSubject("agent", subj)
 			if err != nil || kind != build.kind || pid != id {
-				t.Fatalf("Parse(agent, %q) = %q, %q, %v; want %q, %q", subj, kind, pid, err, build.kind, id)
+				t.Fatalf("ParseSubject(agent, %q) = %q, %q, %v; want %q, %q", subj, kind, pid, err, build.kind, id)
 			}
 		}
 	})
 }
 
-// FuzzDecode checks that Decode never panics, accepts only canonical tokens
+// FuzzParseToken checks that ParseToken never panics, accepts only canonical tokens
 // (Token of its result gives the token back, so no two tokens name one id),
-// and that every failure wraps ErrInvalidToken. Parse gets the same input as
+// and that every failure wraps ErrInvalidToken. ParseSubject gets the same input as
 // a conversation token and as a whole subject.
-func FuzzDecode(f *testing.F) {
+func FuzzParseToken(f *testing.F) {
 	addSeeds(f)
 	f.Add("agent.turns.abc")
 	f.Add("agent.outcomes.~YS5i")
 	f.Fuzz(func(t *testing.T, token string) {
-		id, err := Decode(token)
+		id, err := ParseToken(token)
 		if err != nil {
 			if !errors.Is(err, ErrInvalidToken) || id != "" {
-				t.Fatalf("Decode(%q) = %q, %v; want ErrInvalidToken", token, id, err)
+				t.Fatalf("ParseToken(%q) = %q, %v; want ErrInvalidToken", token, id, err)
 			}
 		} else {
 			requireTokenCharset(t, token)
 			back, err := Token(id)
 			if err != nil || back != token {
-				t.Fatalf("Decode(%q) = %q, but Token gives %q, %v", token, id, back, err)
+				t.Fatalf("ParseToken(%q) = %q, but Token gives %q, %v", token, id, back, err)
 			}
 		}
 
-		kind, pid, perr := Parse("agent", "agent.turns."+token)
+		kind, pid, perr := ParseSubject("agent", "agent.turns."+token)
 		if (perr == nil) != (err == nil) || pid != id || (perr == nil && kind != KindTurns) {
-			t.Fatalf("Parse of token %q = %q, %q, %v; Decode gave %q, %v", token, kind, pid, perr, id, err)
+			t.Fatalf("ParseSubject of token %q = %q, %q, %v; ParseToken gave %q, %v", token, kind, pid, perr, id, err)
 		}
 
-		kind, pid, perr = Parse("agent", token)
+		kind, pid, perr = ParseSubject("agent", token)
 		if perr != nil {
 			if !errors.Is(perr, ErrInvalidSubject) {
-				t.Fatalf("Parse(agent, %q): %v does not wrap ErrInvalidSubject", token, perr)
+				t.Fatalf("ParseSubject(agent, %q): %v does not wrap ErrInvalidSubject", token, perr)
 			}
 			return
 		}
 		var rebuilt string
 		switch kind {
 		case KindTurns:
-			rebuilt, err = Turns("agent", pid)
+			rebuilt, err = TurnSubject("agent", pid)
 		case KindOutcomes:
-			rebuilt, err = Outcomes("agent", pid)
+			rebuilt, err = OutcomeSubject("agent", pid)
 		default:
-			t.Fatalf("Parse(agent, %q) gave kind %q", token, kind)
+			t.Fatalf("ParseSubject(agent, %q) gave kind %q", token, kind)
 		}
 		if err != nil || rebuilt != token {
-			t.Fatalf("Parse(agent, %q) = %q, %q, but rebuilding gives %q, %v", token, kind, pid, rebuilt, err)
+			t.Fatalf("ParseSubject(agent, %q) = %q, %q, but rebuilding gives %q, %v", token, kind, pid, rebuilt, err)
 		}
 	})
 }
