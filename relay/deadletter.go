@@ -13,9 +13,9 @@ import (
 // maxDeadLetterReason caps the reason text: it may quote a value of the change.
 const maxDeadLetterReason = 1024
 
-// deadLetterMsg builds the dead-letter record of the change at lsn (wire.DeadLetterMsgID).
-func deadLetterMsg(prefix, kind, table, reason string, lsn pglogrepl.LSN, raw []byte, maxPayload int) *nats.Msg {
-	return deadLetterMsgWithID(prefix, wire.DeadLetterMsgID(lsn.String()), kind, table, reason, lsn, raw, maxPayload)
+// deadLetterMsg builds the dead-letter record of the nth change at lsn (wire.DeadLetterNthMsgID).
+func deadLetterMsg(prefix, kind, table, reason string, lsn pglogrepl.LSN, nth int, raw []byte, maxPayload int) *nats.Msg {
+	return deadLetterMsgWithID(prefix, wire.DeadLetterNthMsgID(lsn.String(), nth), kind, table, reason, lsn, raw, maxPayload)
 }
 
 // deadLetterMsgWithID builds a dead-letter record with Nats-Msg-Id msgID, on

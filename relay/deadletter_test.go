@@ -2,10 +2,12 @@ package relay_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
@@ -170,4 +172,44 @@ func TestUnparseableOutboxRowIsDeadLetteredAndSkipped(t *testing.T) {
 	var status string
 	require.NoError(t, b.db.Pool.QueryRow(ctx, `SELECT status FROM agent_outbox WHERE id = $1`, bad).Scan(&status))
 	require.Equal(t, "pending", status, "the skipped row stays for the workers' sweep")
+}
+
+// COPY inserts rows with heap_multi_insert: every row of one multi-insert WAL record is decoded
+// at the same LSN, and pgoutput gives each of them that LSN as its XLogData WALStart. Were
+// dead-letter records named by the LSN alone, JetStream would keep the first record of two
+// unpublishable rows of one COPY and drop the second as a duplicate: a change skipped without
+// its record. Each change at a position gets its own id (wire.DeadLetterNthMsgID).
+func TestDeadLetterRecordsOfOneCopyAreAllKept(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	reg := prometheus.NewRegistry()
+	b.cfg.Registerer = reg
+	ctx := ctxT(t, 2*time.Minute)
+	createConversations(t, b.db.Pool, "c")
+	b.startActive(t)
+
+	_, err := b.db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content)
+		VALUES ('far1', 'c', 'user', 'x'), ('far2', 'c', 'user', 'x'), ('ok1', 'c', 'user', 'x')`)
+	require.NoError(t, err)
+	far := time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC) // finite, but no RFC 3339 form
+	n, err := b.db.Pool.CopyFrom(ctx, pgx.Identifier{"agent_outbox"}, []string{"conversation_id", "message_id", "created_at"},
+		pgx.CopyFromRows([][]any{{"c", "far1", far}, {"c", "far2", far}, {"c", "ok1", time.Now()}}))
+	require.NoError(t, err)
+	require.EqualValues(t, 3, n)
+	after, err := send(ctx, b.db.Pool, "c", "after")
+	require.NoError(t, err)
+
+	b.waitStream(t, "AGENT_TURNS", 2, 30*time.Second) // ok1 and after
+	requireSlotCaughtUp(t, b)
+	require.Eventually(t, func() bool { return deadLetterCount(t, reg, "turn") >= 2 }, 30*time.Second, 20*time.Millisecond)
+	_ = after
+
+	dead := b.readStream(t, "AGENT_DEADLETTER")
+	var lsns []string
+	for _, d := range dead {
+		var rec deadLetterRecord
+		require.NoError(t, json.Unmarshal(d.data, &rec))
+		lsns = append(lsns, fmt.Sprintf("%s %s", rec.LSN, d.header.Get("Nats-Msg-Id")))
+	}
+	require.Len(t, lsns, 2, "two rows were set aside, each needs its record; stored: %v", lsns)
 }

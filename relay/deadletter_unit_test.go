@@ -133,7 +133,7 @@ func TestDecodeUnpublishableRowsAreDeadLettered(t *testing.T) {
 func TestDeadLetterRecordFits(t *testing.T) {
 	raw := []byte(strings.Repeat("z", 5<<20))
 	for _, maxPayload := range []int{0, 1 << 20, 64 << 10, 10 << 10, 1000} {
-		m := deadLetterMsg("agent", wire.DeadLetterTurn, "public.agent_outbox", strings.Repeat("why ", 1000), 0x1234, raw, maxPayload)
+		m := deadLetterMsg("agent", wire.DeadLetterTurn, "public.agent_outbox", strings.Repeat("why ", 1000), 0x1234, 0, raw, maxPayload)
 		var rec wire.DeadLetter
 		require.NoError(t, json.Unmarshal(m.Data, &rec))
 		require.Equal(t, len(raw), rec.RawBytes)
@@ -154,7 +154,7 @@ func TestDeadLetterRecordFits(t *testing.T) {
 func TestDeadLetterRecordHoldsItsTransaction(t *testing.T) {
 	f := newFakePipeline(t, 100)
 	e1, m1 := event("agent.turns.c")
-	dl := item{kind: itemEvent, deadLetter: wire.DeadLetterAnswers, msg: deadLetterMsg("agent", wire.DeadLetterAnswers, "", "bad", 50, []byte("x"), 0)}
+	dl := item{kind: itemEvent, deadLetter: wire.DeadLetterAnswers, msg: deadLetterMsg("agent", wire.DeadLetterAnswers, "", "bad", 50, 0, []byte("x"), 0)}
 	f.step(t, begin(), e1, dl, commit(100))
 	f.ackMsg(t, m1)
 	require.Zero(t, f.lsn(), "the dead-letter record has no PubAck yet")

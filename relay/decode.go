@@ -72,6 +72,7 @@ type decoder struct {
 	cols    []tupleColumn // reused by every insert
 
 	at  pglogrepl.LSN // the WAL position of the message being decoded (decodeAt)
+	nth int           // which insert or logical message at that position it is, from 0
 	raw []byte        // the message being decoded
 }
 
@@ -215,7 +216,16 @@ func newDecoder(schema, prefix string, maxPayload int) *decoder {
 // decodeAt decodes walData, the pgoutput message at WAL position at (its XLogData's
 // WALStart), which names the dead-letter record of a change set aside.
 func (d *decoder) decodeAt(at pglogrepl.LSN, walData []byte) (item, error) {
-	d.at = at
+	if at != d.at {
+		d.at, d.nth = at, -1
+	}
+	// The rows of one COPY share a position: number the changes there, inserts and logical
+	// messages only (the ones that can be set aside). Relation messages are not counted: a
+	// session sends one before a relation's first change, so a replay may send one where the
+	// first session did not.
+	if len(walData) > 0 && (walData[0] == 'I' || walData[0] == 'M') {
+		d.nth++
+	}
 	return d.decode(walData)
 }
 
@@ -223,7 +233,7 @@ func (d *decoder) decodeAt(at pglogrepl.LSN, walData []byte) (item, error) {
 func (d *decoder) deadLetter(kind, table, reason string, raw []byte) item {
 	return item{
 		kind:       itemEvent,
-		msg:        deadLetterMsg(d.prefix, kind, table, reason, d.at, raw, d.maxPayload),
+		msg:        deadLetterMsg(d.prefix, kind, table, reason, d.at, d.nth, raw, d.maxPayload),
 		deadLetter: kind,
 		reason:     reason,
 	}

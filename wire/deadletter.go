@@ -48,6 +48,18 @@ type DeadLetter struct {
 // deduplicated like any event.
 func DeadLetterMsgID(lsn string) string { return "deadletter:" + lsn }
 
+// DeadLetterNthMsgID is the Nats-Msg-Id of the dead-letter record of the change at lsn that is
+// the nth (from 0) change sharing that WAL position: the rows of one COPY (one multi-insert WAL
+// record) all arrive at the same position. The first keeps DeadLetterMsgID's form; the others
+// are "deadletter:<lsn>:<n>". A replay sends a position's changes again in the same order, so
+// each record keeps its id and is deduplicated.
+func DeadLetterNthMsgID(lsn string, n int) string {
+	if n == 0 {
+		return DeadLetterMsgID(lsn)
+	}
+	return DeadLetterMsgID(lsn) + ":" + strconv.Itoa(n)
+}
+
 // DeadLetterBackfillMsgID is the Nats-Msg-Id of the dead-letter record of the outbox row
 // outboxID when the first-start backfill set it aside: such a row has no WAL position, and a
 // backfill run again (after a relay died during it) is deduplicated like its turn events.

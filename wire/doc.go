@@ -87,7 +87,8 @@
 // A change the relay can never publish (a malformed answers message, a row value it cannot
 // parse, an event that cannot fit the max payload) is published instead as a DeadLetter
 // record on <prefix>.deadletter.<kind>, kind DeadLetterAnswers, DeadLetterTurn or
-// DeadLetterOutcome, with Nats-Msg-Id DeadLetterMsgID ("deadletter:<lsn>") or, for a row the
+// DeadLetterOutcome, with Nats-Msg-Id DeadLetterMsgID ("deadletter:<lsn>"; DeadLetterNthMsgID
+// "deadletter:<lsn>:<n>" for a further change at the same position) or, for a row the
 // relay's first-start backfill set aside, DeadLetterBackfillMsgID
 // ("deadletter:backfill:<outbox id>").
 //
