@@ -124,7 +124,7 @@ func TestBackfillDeadLettersRowsItCannotPublish(t *testing.T) {
 		require.Equal(t, wire.DeadLetterBackfillMsgID(id), m.header.Get(nats.MsgIdHdr))
 	}
 	require.Empty(t, bad, "rows set aside without a record")
-	require.Equal(t, float64(len(dead)), deadLetterCount(t, reg, wire.DeadLetterTurn))
+	require.Equal(t, float64(len(dead)), counter(t, reg, "baton_relay_deadletter_total", wire.DeadLetterTurn))
 
 	var pending int
 	require.NoError(t, b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM agent_outbox WHERE status IN ('pending', 'processing')`).Scan(&pending))

@@ -25,26 +25,6 @@ type deadLetterRecord struct {
 	RawBytes int    `json:"raw_bytes"`
 }
 
-// deadLetterCount reads baton_relay_deadletter_total{kind} from reg.
-func deadLetterCount(t *testing.T, reg *prometheus.Registry, kind string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	require.NoError(t, err)
-	for _, mf := range mfs {
-		if mf.GetName() != "baton_relay_deadletter_total" {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "kind" && l.GetValue() == kind {
-					return m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
-	return 0
-}
-
 func walInsertLSN(t *testing.T, b *bundle) pglogrepl.LSN {
 	t.Helper()
 	var s string
@@ -118,7 +98,7 @@ func TestMalformedAnswersAreDeadLetteredAndSkipped(t *testing.T) {
 			require.Equal(t, wire.DeadLetterMsgID(lsn.String()), dead[0].header.Get("Nats-Msg-Id"))
 
 			requireSlotCaughtUp(t, b)
-			require.Equal(t, 1.0, deadLetterCount(t, reg, "answers"))
+			require.Equal(t, 1.0, counter(t, reg, "baton_relay_deadletter_total", "answers"))
 		})
 	}
 }
@@ -168,7 +148,7 @@ func TestUnparseableOutboxRowIsDeadLetteredAndSkipped(t *testing.T) {
 	require.NoError(t, err)
 
 	requireSlotCaughtUp(t, b)
-	require.Equal(t, 1.0, deadLetterCount(t, reg, "turn"))
+	require.Equal(t, 1.0, counter(t, reg, "baton_relay_deadletter_total", "turn"))
 	var status string
 	require.NoError(t, b.db.Pool.QueryRow(ctx, `SELECT status FROM agent_outbox WHERE id = $1`, bad).Scan(&status))
 	require.Equal(t, "pending", status, "the skipped row stays for the workers' sweep")
@@ -196,13 +176,12 @@ func TestDeadLetterRecordsOfOneCopyAreAllKept(t *testing.T) {
 		pgx.CopyFromRows([][]any{{"c", "far1", far}, {"c", "far2", far}, {"c", "ok1", time.Now()}}))
 	require.NoError(t, err)
 	require.EqualValues(t, 3, n)
-	after, err := send(ctx, b.db.Pool, "c", "after")
+	_, err = send(ctx, b.db.Pool, "c", "after")
 	require.NoError(t, err)
 
 	b.waitStream(t, "AGENT_TURNS", 2, 30*time.Second) // ok1 and after
 	requireSlotCaughtUp(t, b)
-	require.Eventually(t, func() bool { return deadLetterCount(t, reg, "turn") >= 2 }, 30*time.Second, 20*time.Millisecond)
-	_ = after
+	require.Eventually(t, func() bool { return counter(t, reg, "baton_relay_deadletter_total", "turn") >= 2 }, 30*time.Second, 20*time.Millisecond)
 
 	dead := b.readStream(t, "AGENT_DEADLETTER")
 	var lsns []string

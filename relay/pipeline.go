@@ -57,7 +57,6 @@ type pipeline struct {
 	failed chan struct{} // closed with the first error (err)
 	idle   chan struct{} // closed when the input ended and every event has its PubAck
 	done   chan struct{} // closed when run returns
-	sent   chan struct{} // closed when the sender returns
 
 	mu sync.Mutex
 	// subjects holds, for each subject with an event in flight, the events queued behind it.
@@ -126,7 +125,6 @@ func initPipeline(maxPending int, ackTimeout time.Duration, m *metrics, confirme
 		failed:     make(chan struct{}),
 		idle:       make(chan struct{}),
 		done:       make(chan struct{}),
-		sent:       make(chan struct{}),
 		subjects:   map[string][]*pendingEvent{},
 		byID:       map[uint64]*pendingEvent{},
 		confirmed:  confirmed,
@@ -144,7 +142,7 @@ var errStopped = errors.New("pipeline stopped")
 // first error, and with nil when abort is closed. drainTimeout bounds the wait after graceful
 // is closed. When it returns, nothing more is published or confirmed. It never waits for the
 // sender: a send stuck in nats.go ends when the connection's write deadline passes, and the
-// sender then unsubscribes from PubAcks and returns (sent is closed).
+// sender then unsubscribes from PubAcks and returns.
 func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Duration) error {
 	go p.sendLoop()
 	defer func() {
@@ -206,7 +204,6 @@ func (p *pipeline) fail(err error) {
 // unsubscribes when it returns. Both take nats.go's connection lock, which a send stuck in a
 // full socket holds: that is why they happen here and nowhere else.
 func (p *pipeline) sendLoop() {
-	defer close(p.sent)
 	if p.nc != nil {
 		pub, err := newPublisher(p.nc, p.reply)
 		if err != nil {

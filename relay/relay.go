@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"strings"
 	"sync/atomic"
@@ -449,13 +450,19 @@ func (r *Relay) backfillPage(ctx context.Context, tx pgx.Tx, after int64) ([]ite
 		}
 		it := backfillItem(r.cfg.SubjectPrefix, table, maxPayload, id, row)
 		if it.deadLetter != "" {
-			r.cfg.Logger.Error("change cannot be published; setting it aside in the dead-letter stream",
-				"outbox_id", id, "kind", it.deadLetter, "subject", it.msg.Subject, "reason", it.reason)
+			logSetAside(r.cfg.Logger, it, "outbox_id", id)
 		}
 		page = append(page, it)
 		last = id
 	}
 	return page, last, rows.Err()
+}
+
+// logSetAside logs at ERROR the change of it, a dead-letter record, set aside; at names where
+// the change was (its "lsn", or the "outbox_id" of a backfilled row).
+func logSetAside(log *slog.Logger, it item, at ...any) {
+	log.Error("change cannot be published; setting it aside in the dead-letter stream",
+		append(at, "kind", it.deadLetter, "subject", it.msg.Subject, "reason", it.reason)...)
 }
 
 // errSilent ends a session whose replication stream went silent: no CopyData arrived within
@@ -643,8 +650,7 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 					continue
 				}
 				if it.deadLetter != "" {
-					cfg.Logger.Error("change cannot be published; setting it aside in the dead-letter stream",
-						"lsn", xld.WALStart, "kind", it.deadLetter, "subject", it.msg.Subject, "reason", it.reason)
+					logSetAside(cfg.Logger, it, "lsn", xld.WALStart)
 				}
 				if err := put(it); err != nil {
 					return stoppedIsNil(err)

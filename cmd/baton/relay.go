@@ -83,7 +83,10 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 			return errStopped // stop the metrics server too
 		}
 		err = reportFailure(log, fmt.Errorf("relay: %w", err), linger)
-		_ = sleepCtx(gctx, linger) // SIGTERM, or the metrics server failing, ends it early
+		select { // SIGTERM, or the metrics server failing, ends it early
+		case <-time.After(linger):
+		case <-gctx.Done():
+		}
 		return err
 	})
 	if cfg.MetricsAddr != "" {
@@ -134,18 +137,6 @@ func reportFailure(log *slog.Logger, err error, exitIn time.Duration) error {
 		log.Error("relay cannot continue; exiting", "error", err, "exit_in", exitIn.String())
 	}
 	return loggedError{err: err}
-}
-
-// sleepCtx waits d or until ctx ends.
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
 }
 
 // connectNATS connects with unlimited reconnects: a NATS restart must be survived, not fatal.
