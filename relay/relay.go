@@ -236,7 +236,12 @@ func setKeepalives(params map[string]string) {
 // bounded runs a setup step (a query, START_REPLICATION) with a deadline of SetupTimeout, so
 // that a path that drops packets fails the session instead of hanging it.
 func (r *Relay) bounded(ctx context.Context, step func(context.Context) error) error {
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.SetupTimeout)
+	return within(ctx, r.cfg.SetupTimeout, step)
+}
+
+// within runs step with a deadline of d.
+func within(ctx context.Context, d time.Duration, step func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
 	return step(ctx)
 }
@@ -296,7 +301,9 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		} else {
 			log.Warn("dropping a slot Baton did not create, as RecreateSlot allows", "slot", cfg.Slot, "plugin", slot.plugin)
 		}
-		if err := pglogrepl.DropReplicationSlot(ctx, repl, cfg.Slot, pglogrepl.DropReplicationSlotOptions{}); err != nil {
+		if err := r.bounded(ctx, func(ctx context.Context) error {
+			return pglogrepl.DropReplicationSlot(ctx, repl, cfg.Slot, pglogrepl.DropReplicationSlotOptions{})
+		}); err != nil {
 			return fmt.Errorf("drop slot %s: %w", cfg.Slot, err)
 		}
 		fallthrough
@@ -347,17 +354,24 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 	cfg := &r.cfg
 	// Recorded before the slot exists: a relay killed from here until the backfill is marked
 	// done leaves a slot that the next start knows as Baton's own and recreates.
-	if _, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
+	if err := r.bounded(ctx, func(ctx context.Context) error {
+		_, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
 		VALUES ($1, NULL, 0, false) ON CONFLICT (slot_name) DO UPDATE
-		SET consistent_point = NULL, backfill_rows = 0, backfill_done = false, created_at = now()`, cfg.Slot); err != nil {
+		SET consistent_point = NULL, backfill_rows = 0, backfill_done = false, created_at = now()`, cfg.Slot)
+		return err
+	}); err != nil {
 		return fmt.Errorf("record slot %s: %w", cfg.Slot, err)
 	}
-	created, err := pglogrepl.CreateReplicationSlot(ctx, repl, cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
-		Mode:           pglogrepl.LogicalReplication,
-		SnapshotAction: "EXPORT_SNAPSHOT",
-	})
-	if err != nil {
-		return fmt.Errorf("create slot %s: %w", cfg.Slot, err)
+	var created pglogrepl.CreateReplicationSlotResult
+	if err := within(ctx, cfg.SlotCreateTimeout, func(ctx context.Context) (err error) {
+		created, err = pglogrepl.CreateReplicationSlot(ctx, repl, cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
+			Mode:           pglogrepl.LogicalReplication,
+			SnapshotAction: "EXPORT_SNAPSHOT",
+		})
+		return err
+	}); err != nil {
+		return fmt.Errorf("create slot %s (it waits for every transaction running now to end; SlotCreateTimeout %s): %w",
+			cfg.Slot, cfg.SlotCreateTimeout, err)
 	}
 	point, err := pglogrepl.ParseLSN(created.ConsistentPoint)
 	if err != nil {
@@ -368,10 +382,13 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 	if err != nil {
 		return fmt.Errorf("backfill: %w", err)
 	}
-	if _, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
+	if err := r.bounded(ctx, func(ctx context.Context) error {
+		_, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
 		VALUES ($1, $2, $3, true) ON CONFLICT (slot_name) DO UPDATE
 		SET consistent_point = excluded.consistent_point, backfill_rows = excluded.backfill_rows, backfill_done = true`,
-		cfg.Slot, created.ConsistentPoint, n); err != nil {
+			cfg.Slot, created.ConsistentPoint, n)
+		return err
+	}); err != nil {
 		return fmt.Errorf("record backfill of slot %s: %w", cfg.Slot, err)
 	}
 	cfg.Logger.Info("created slot and backfilled unfinished rows", "slot", cfg.Slot, "lsn", point, "rows", n)
@@ -387,12 +404,22 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 	g.Go(func() error { return p.run(gctx.Done(), nil, 0) })
 	g.Go(func() error {
 		defer p.closeInput()
-		tx, err := conn.BeginTx(gctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
-		if err != nil {
+		var tx pgx.Tx
+		if err := r.bounded(gctx, func(ctx context.Context) (err error) {
+			tx, err = conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+			return err
+		}); err != nil {
 			return err
 		}
-		defer func() { _ = tx.Rollback(context.WithoutCancel(gctx)) }()
-		if _, err := tx.Exec(gctx, "SET TRANSACTION SNAPSHOT "+quoteLiteral(snapshot)); err != nil {
+		defer func() {
+			ctx, cancel := context.WithTimeout(context.WithoutCancel(gctx), closeTimeout)
+			defer cancel()
+			_ = tx.Rollback(ctx)
+		}()
+		if err := r.bounded(gctx, func(ctx context.Context) error {
+			_, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT "+quoteLiteral(snapshot))
+			return err
+		}); err != nil {
 			return fmt.Errorf("import snapshot: %w", err)
 		}
 		// One synthetic transaction that never closes: backfilled events confirm no LSN.
@@ -403,8 +430,12 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 		// publishes a page while the next one is read.
 		var after int64
 		for {
-			page, last, err := r.backfillPage(gctx, tx, after)
-			if err != nil {
+			var page []item
+			var last int64
+			if err := r.bounded(gctx, func(ctx context.Context) (err error) {
+				page, last, err = r.backfillPage(ctx, tx, after)
+				return err
+			}); err != nil {
 				return err
 			}
 			if err := p.feed(gctx, page...); err != nil {
