@@ -73,7 +73,8 @@ type pipeline struct {
 	stopped   bool       // failed or run returned: nothing more is published or confirmed
 	err       error
 
-	halted atomic.Bool // stopped, for the sender between sends without the lock
+	halted  atomic.Bool // stopped, for the sender between sends without the lock
+	sending atomic.Bool // the sender is inside a send: nats.go may be stuck writing
 
 	confirmed *atomic.Uint64
 	acked     atomic.Int64 // events acknowledged (for the caller's progress)
@@ -241,7 +242,10 @@ func (p *pipeline) sendQueued() bool {
 			return false
 		}
 		ev.sentAt.Store(time.Now().UnixNano())
-		if err := p.send(ev.msg, ev.id); err != nil {
+		p.sending.Store(true)
+		err := p.send(ev.msg, ev.id)
+		p.sending.Store(false)
+		if err != nil {
 			p.m.errors.WithLabelValues("publish").Inc()
 			p.mu.Lock()
 			p.fail(fmt.Errorf("publish %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), err))
@@ -336,16 +340,28 @@ func (p *pipeline) wait(ctx context.Context) error {
 }
 
 // checkAckTimeout fails the pipeline when an event waited longer than AckTimeout for its
-// PubAck: the session then restarts from the confirmed LSN.
+// PubAck: the session then restarts from the confirmed LSN. The error wraps errNoPubAck when
+// the sender is not inside a send, so nats.go took every event without blocking and the
+// server did not answer: the streams are then checked again before the next session (a
+// stream changed to no_ack answers nothing, ever). While a send is stuck in a full socket
+// they are not, since the JetStream API would wait on the same connection lock.
 func (p *pipeline) checkAckTimeout(now time.Time) error {
 	for _, ev := range p.byID {
 		if sent := ev.sentAt.Load(); sent != 0 && now.Sub(time.Unix(0, sent)) > p.ackTimeout {
 			p.m.errors.WithLabelValues("publish").Inc()
-			return fmt.Errorf("publish %s on %s: no PubAck within %s", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject, p.ackTimeout)
+			err := fmt.Errorf("publish %s on %s: no PubAck within %s", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject, p.ackTimeout)
+			if !p.sending.Load() {
+				err = fmt.Errorf("%w: %w", err, errNoPubAck)
+			}
+			return err
 		}
 	}
 	return nil
 }
+
+// errNoPubAck marks an ack timeout of events nats.go took without blocking: see
+// checkAckTimeout.
+var errNoPubAck = errors.New("the server answered no publish")
 
 func (p *pipeline) handle(it item) error {
 	switch it.kind {

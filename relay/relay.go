@@ -62,7 +62,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	for {
 		started := time.Now()
 		err := r.session(ctx)
-		if errors.Is(err, errNoResponders) || errors.Is(err, nats.ErrMaxPayload) {
+		if errors.Is(err, errNoResponders) || errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, errNoPubAck) {
 			r.streamsChecked = false // check the streams and the server's limit again
 		}
 		r.active.Store(false)

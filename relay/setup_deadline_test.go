@@ -1,11 +1,14 @@
 package relay_test
 
 import (
+	"context"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/relay"
 )
 
 // The first start's statements (recording the slot, dropping a stale one, creating it, the
@@ -43,4 +46,45 @@ func TestFirstStartStatementsHaveDeadlines(t *testing.T) {
 		b.cfg.SetupTimeout+20*time.Second, 50*time.Millisecond,
 		"the first-start session hangs on a frozen path: no deadline on its setup statements")
 	require.False(t, r.Active())
+}
+
+// A stream whose NoAck is set fails the relay with ErrSetup naming the setting, also when it
+// is changed while the relay runs: streams are checked once per Run, and again after an ack
+// timeout of events nats.go took without blocking. Checked only once, every session would end
+// with an ack timeout and start again, for ever.
+func TestStreamChangedToNoAckWhileRunningFailsSetup(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := ctxT(t, 2*time.Minute)
+	createConversations(t, b.db.Pool, "c")
+	r, err := relay.New(b.cfg)
+	require.NoError(t, err)
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(runCtx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			t.Error("relay did not stop within 30s")
+		}
+	})
+	require.Eventually(t, r.Active, time.Minute, 5*time.Millisecond)
+	st, err := b.js.Stream(ctx, "AGENT_TURNS")
+	require.NoError(t, err)
+	sc := st.CachedInfo().Config
+	sc.NoAck = true
+	_, err = b.js.UpdateStream(ctx, sc)
+	require.NoError(t, err)
+	_, err = send(ctx, b.db.Pool, "c", "m1")
+	require.NoError(t, err)
+	select {
+	case err := <-done:
+		done <- err // for the cleanup
+		require.ErrorIs(t, err, relay.ErrSetup)
+		require.ErrorContains(t, err, "no_ack")
+	case <-time.After(5*b.cfg.AckTimeout + 10*time.Second):
+		t.Fatal("the relay loops on ack timeouts instead of failing with the stream's no_ack setting")
+	}
 }
