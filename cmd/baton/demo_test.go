@@ -12,7 +12,6 @@ import (
 	"os/signal"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -289,21 +288,6 @@ func TestDemoFailEvery(t *testing.T) {
 		consumer.DefaultFailureMessage(nil))[0])
 }
 
-func TestDemoAgentFails(t *testing.T) {
-	t.Parallel()
-	a := demoAgent{failEvery: 3, convPrefix: "demo-x-c"}
-	var failing []int
-	for i := range 10 {
-		if a.fails("demo-x-c" + strconv.Itoa(i)) {
-			failing = append(failing, i)
-		}
-	}
-	require.Equal(t, []int{2, 5, 8}, failing)
-	require.False(t, a.fails("other-c2"), "conversations that are not the demo's never fail")
-	require.False(t, a.fails("demo-x-cx"))
-	require.False(t, (&demoAgent{convPrefix: "demo-x-c"}).fails("demo-x-c2"))
-}
-
 func TestDemoUsageErrors(t *testing.T) {
 	t.Parallel()
 	for _, tt := range []struct {
@@ -342,78 +326,6 @@ func TestDemoNoPostgresError(t *testing.T) {
 
 	other := errors.New("initdb: exit status 1")
 	require.ErrorIs(t, noPostgresError(other), other)
-}
-
-func TestDemoVerdict(t *testing.T) {
-	t.Parallel()
-	ok := demoResult{db: demoDB{outboxRows: 10},
-		snap: demoSnapshot{sent: 10, relayed: 10, received: 10, answered: 10, replied: 8, failed: 2, retries: 1}}
-	require.NoError(t, ok.verdict(), "visible failures are outcomes, not losses")
-
-	lost := ok
-	lost.snap.received, lost.snap.relayed, lost.snap.replied, lost.tailTimeout = 9, 9, 6, true
-	require.EqualError(t, lost.verdict(), "FAILED: 2 of 10 accepted messages got neither a reply nor a visible failure "+
-		"within --tail-timeout; 1 of 10 accepted messages never reached the turns stream")
-	lost.interrupted = true
-	require.NoError(t, lost.verdict(), "an interrupted demo has not lost what it did not wait for")
-
-	doubled := ok
-	doubled.interrupted = true
-	doubled.snap.turnDups, doubled.snap.answeredTwice, doubled.snap.retryBad, doubled.db.outboxRows = 1, 2, 1, 11
-	require.EqualError(t, doubled.verdict(), "FAILED: 3 duplicates (turn events stored twice 1, outcomes stored twice 0, "+
-		"messages answered twice 2); 1 retries were not recognised as duplicates; 11 outbox rows for 10 accepted messages")
-
-	uncounted := ok
-	uncounted.db.outboxRows = -1
-	require.NoError(t, uncounted.verdict())
-}
-
-// TestDemoStats feeds the counters the way the senders and subscribers do, in racy orders.
-func TestDemoStats(t *testing.T) {
-	t.Parallel()
-	var s demoStats
-	t0 := time.Now()
-	s.sent(1, t0)
-	s.sent(2, t0)
-	s.relayed(1, t0.Add(time.Millisecond))
-	s.relayed(3, t0.Add(-time.Millisecond)) // before its Send returned
-	s.relayed(1, t0.Add(2*time.Millisecond))
-	s.outcome("reply:a", false, []int64{1, 3}, t0.Add(10*time.Millisecond))
-	s.outcome("reply:a", false, []int64{1, 3}, t0.Add(11*time.Millisecond)) // stored twice
-	s.outcome("error:b", true, []int64{3}, t0.Add(12*time.Millisecond))     // row 3 answered twice
-	snap := s.snapshot()
-	require.Equal(t, 2, snap.sent)
-	require.Equal(t, 1, snap.received)
-	require.Equal(t, 1, snap.replied)
-	require.Equal(t, 1, snap.unanswered())
-	require.False(t, snap.settled())
-	require.Equal(t, 1, snap.answeredUnknown(), "row 3 was answered before its Send returned")
-
-	s.sent(3, t0.Add(20*time.Millisecond))
-	s.relayed(2, t0.Add(time.Millisecond))
-	s.outcome("reply:c", false, []int64{2}, t0.Add(5*time.Millisecond))
-	snap, l := s.final()
-	require.Equal(t, demoSnapshot{sent: 3, relayed: 3, received: 3, answered: 3, replied: 3,
-		turnDups: 1, outcomeDups: 1, answeredTwice: 1}, snap)
-	require.True(t, snap.settled())
-	require.Equal(t, 3, snap.duplicates())
-	require.Equal(t, []time.Duration{0, time.Millisecond, time.Millisecond}, l.relay)
-	require.Equal(t, 1, l.relayEarly)
-	require.Equal(t, []time.Duration{0, 5 * time.Millisecond, 10 * time.Millisecond}, l.reply)
-	require.Equal(t, 1, l.replyEarly)
-}
-
-func TestPercentile(t *testing.T) {
-	t.Parallel()
-	ds := make([]time.Duration, 100)
-	for i := range ds {
-		ds[i] = time.Duration(i+1) * time.Millisecond
-	}
-	require.Equal(t, 50*time.Millisecond, percentile(ds, 50))
-	require.Equal(t, 99*time.Millisecond, percentile(ds, 99))
-	require.Equal(t, 100*time.Millisecond, percentile(ds, 100))
-	require.Equal(t, 7*time.Millisecond, percentile([]time.Duration{7 * time.Millisecond}, 99))
-	require.Equal(t, time.Millisecond, percentile(ds[:2], 50))
 }
 
 func TestIsTerminal(t *testing.T) {

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -35,57 +34,13 @@ const (
 	demoWorkerTurns = 16
 )
 
-// demoAgent is the demo's turn handler, the echo agent of examples/echoagent: a model call
-// that echoes the claimed messages, after a read tool (lookup) recorded as an operation.
-type demoAgent struct {
-	latency    time.Duration // each model call takes this long
-	failEvery  int           // 0: never; N: every turn of every Nth conversation fails
-	convPrefix string        // ids of the demo's conversations: convPrefix + index
-}
-
-func (a *demoAgent) handle(ctx context.Context, t *consumer.Turn) (consumer.Reply, error) {
-	if a.latency > 0 {
-		timer := time.NewTimer(a.latency)
-		select {
-		case <-timer.C:
-		case <-ctx.Done():
-			timer.Stop()
-			return consumer.Reply{}, ctx.Err()
-		}
+// demoWorkerNames names the demo's workers, in order.
+func demoWorkerNames() []string {
+	names := make([]string, demoWorkerCount)
+	for i := range names {
+		names[i] = "demo-worker-" + strconv.Itoa(i+1)
 	}
-	parts := make([]string, len(t.Messages))
-	for i, m := range t.Messages {
-		parts[i] = m.Content
-	}
-	// A read tool only looks, so a turn that called it may be replayed after a failure.
-	if _, err := t.Tool(ctx, "lookup", consumer.Read, map[string]string{"conversation_id": t.ConversationID},
-		func(ctx context.Context) (any, error) {
-			history, err := t.History(ctx, 100)
-			if err != nil {
-				return nil, err
-			}
-			return map[string]int{"history_messages": len(history)}, nil
-		}); err != nil {
-		return consumer.Reply{}, err
-	}
-	if a.fails(t.ConversationID) {
-		return consumer.Reply{}, fmt.Errorf("the demo fails every turn of every %dth conversation (--fail-every)", a.failEvery)
-	}
-	return consumer.Reply{Content: "echo: " + strings.Join(parts, " | ")}, nil
-}
-
-// fails reports whether the turns of conversation conv fail on purpose: every failEvery-th of
-// the demo's conversations. Conversations that are not the demo's never fail.
-func (a *demoAgent) fails(conv string) bool {
-	if a.failEvery <= 0 {
-		return false
-	}
-	rest, ok := strings.CutPrefix(conv, a.convPrefix)
-	if !ok {
-		return false
-	}
-	i, err := strconv.Atoi(rest)
-	return err == nil && i >= 0 && (i+1)%a.failEvery == 0
+	return names
 }
 
 // demoWorkers are the demo's in-process workers.
@@ -99,13 +54,12 @@ type demoWorkers struct {
 	wg     sync.WaitGroup
 }
 
-// newDemoWorkers connects demoWorkerCount workers running handler, each with a pool and a
+// newDemoWorkers connects the demo's workers (demoWorkerNames) running handler, each with a pool and a
 // NATS connection of its own. close releases what it made, also after an error.
 func newDemoWorkers(ctx context.Context, cfg *config.Config, pcfg *pgxpool.Config, handler consumer.Handler,
 	log *slog.Logger, reg prometheus.Registerer) (*demoWorkers, error) {
 	ws := &demoWorkers{}
-	for i := range demoWorkerCount {
-		name := "demo-worker-" + strconv.Itoa(i+1)
+	for _, name := range demoWorkerNames() {
 		wpcfg := pcfg.Copy()
 		wpcfg.MaxConns = demoWorkerConns
 		pool, err := pgxpool.NewWithConfig(ctx, wpcfg)
@@ -158,7 +112,8 @@ func (ws *demoWorkers) start(gctx context.Context, g *errgroup.Group) {
 }
 
 // stop tells the workers to stop and waits until they did: running turns get
-// demoShutdownGrace to finish, then their rows are released.
+// demoShutdownGrace to finish, then their rows are released. It is the run's
+// demo.Services.StopWorkers.
 func (ws *demoWorkers) stop() {
 	if ws.cancel != nil {
 		ws.cancel()

@@ -1,5 +1,6 @@
-// Command baton runs Baton: it applies the schema (migrate) and, as the other subcommands
-// land, relays the outbox to NATS JetStream, reports status and runs the demo.
+// Command baton runs Baton: it applies the schema (migrate), relays the outbox to NATS
+// JetStream (relay), reports what a running Baton is doing (status) and runs Baton end to end
+// on this machine (demo).
 //
 // Configuration comes from BATON_* environment variables (see internal/config); each
 // subcommand's flags override them. Run `baton help` for the list of subcommands.
@@ -65,6 +66,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if _, ok := commands[name]; ok {
 			stderr = stdout
 		}
+	case "-version", "--version":
+		name = "version"
 	}
 	cmd, ok := commands[name]
 	if !ok {
@@ -108,6 +111,7 @@ commands:
 		fmt.Fprintf(w, "  %-9s %s\n", name, commands[name].summary)
 	}
 	fmt.Fprint(w, `
+baton --version is the same as baton version.
 Configuration comes from BATON_* environment variables; a command's flags override them.
 `)
 }

@@ -220,3 +220,18 @@ func TestVersion(t *testing.T) {
 	require.Equal(t, "v2 (go1.26.8, commit 0123456789ab-dirty)", versionString("v2", info))
 	require.Equal(t, "dev", versionString("dev", nil))
 }
+
+func TestVersionFlag(t *testing.T) {
+	t.Parallel()
+	want := runBaton(t, "version")
+	for _, flag := range []string{"--version", "-version"} {
+		r := runBaton(t, flag)
+		require.Equal(t, 0, r.code, r.stderr)
+		require.Equal(t, want.stdout, r.stdout, "%s prints what baton version prints", flag)
+		require.Empty(t, r.stderr)
+	}
+	r := runBaton(t, "--version", "extra")
+	require.Equal(t, 2, r.code)
+	require.Contains(t, r.stderr, `baton version: unexpected argument "extra"`)
+	require.Contains(t, runBaton(t, "help").stdout, "baton --version")
+}
