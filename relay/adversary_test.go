@@ -5,18 +5,16 @@
 // go test -tags adversary -run TestAdversary<Name> ./relay/
 // and move it into the default suite when its fix lands. Fixed since (not re-run here):
 // BackfillOfAnInfiniteRowLoopsForever, FirstStartInsertHasNoDeadline (setup_deadline_test.go),
-// StreamChangedToNoAckLoopsInsteadOfFailing (setup_deadline_test.go), BackfillPublishesUndecodableTimestamps,
+// StreamChangedToNoAckLoopsInsteadOfFailing (setup_deadline_test.go),
+// InFlightIsBoundedByCountNotBytes (memory_test.go), BackfillPublishesUndecodableTimestamps,
 // SlowNATSLivelocksOnALargeTransaction, FatalErrorDoesNotLingerForMetrics.
 
 package relay_test
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
-	"os"
-	"os/exec"
 	"strings"
 	"syscall"
 	"testing"
@@ -63,85 +61,6 @@ func TestAdversaryHugeLogicalMessageExceedsRelayMemoryLimit(t *testing.T) {
 	hwm := peakRSS(t, p.cmd.Process.Pid)
 	require.NotZero(t, hwm)
 	require.Less(t, hwm, int64(limit), "peak RSS %d MiB over the relay's memory limit of 512 MiB: OOM-killed in Kubernetes on every restart", hwm>>20)
-}
-
-// startAdvProcess is startHAProcess with the NATS URL given (a proxy in front of the server).
-func (b *bundle) startAdvProcess(t *testing.T, dbURL, natsURL string, args ...string) *haProcess {
-	t.Helper()
-	cmd := exec.Command(batonBinary(t), append([]string{"relay"}, args...)...)
-	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+dbURL, "BATON_NATS_URL="+natsURL,
-		"BATON_SLOT="+b.cfg.Slot, "BATON_LOG_LEVEL=info")
-	stderr, err := cmd.StderrPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	p := &haProcess{cmd: cmd, exited: make(chan struct{})}
-	go func() {
-		sc := bufio.NewScanner(stderr)
-		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
-			p.mu.Lock()
-			p.seen = append(p.seen, sc.Text())
-			p.mu.Unlock()
-		}
-		_ = cmd.Wait()
-		close(p.exited)
-	}()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGCONT)
-		_ = cmd.Process.Kill()
-		select {
-		case <-p.exited:
-		case <-time.After(30 * time.Second):
-			t.Error("relay process did not exit after SIGKILL")
-		}
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		for _, l := range p.seen {
-			if len(l) > 2000 {
-				l = l[:2000] + "…"
-			}
-			t.Logf("pid %d: %s", cmd.Process.Pid, l)
-		}
-	})
-	return p
-}
-
-// MaxInFlight (default 8192) is documented as the bound on the relay's memory, but it counts
-// events, not bytes: an outcome may be as large as the server's max payload (1 MiB by
-// default), so 8192 outcomes in flight hold up to 8 GiB. When NATS stalls for a few seconds
-// (a leader election, a slow disk, a frozen path) while replies with large contents are
-// committed, the reader keeps decoding and queueing: 600 outcomes of ~1 MB (which workers
-// write: model output) take the relay past the 512Mi limit of relay-deployment.yaml.
-func TestAdversaryInFlightIsBoundedByCountNotBytes(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	ctx := ctxT(t, 4*time.Minute)
-	createConversations(t, b.db.Pool, "c")
-	natsProxy := testsvc.StartProxy(t, strings.TrimPrefix(b.nats.URL(), "nats://"))
-	p := b.startAdvProcess(t, b.db.URL, "nats://"+natsProxy.Addr())
-	require.Eventually(t, func() bool { return p.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay never streamed")
-	const limit = 512 << 20
-
-	natsProxy.Freeze()
-	t.Cleanup(natsProxy.Unfreeze)
-	const n = 600
-	_, err := b.db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content)
-		SELECT 'r' || g, 'c', 'assistant', repeat(chr(97 + g % 26), 1000000) FROM generate_series(1, $1) g`, n)
-	require.NoError(t, err)
-	target := walInsertLSN(t, b)
-	// Sync point: the walsender has sent the relay everything (bar what sits in socket buffers).
-	require.Eventually(t, func() bool {
-		var ok bool
-		err := b.db.Pool.QueryRow(ctx, `SELECT coalesce(bool_or(r.sent_lsn >= $1::pg_lsn), false)
-			FROM pg_stat_replication r JOIN pg_replication_slots s ON s.active_pid = r.pid
-			WHERE s.slot_name = $2`, target.String(), b.cfg.Slot).Scan(&ok)
-		return err == nil && ok
-	}, time.Minute, 20*time.Millisecond, "the walsender never sent the replies")
-	hwm := peakRSS(t, p.cmd.Process.Pid)
-	natsProxy.Unfreeze()
-	b.waitStream(t, "AGENT_OUTCOMES", n, 2*time.Minute)
-	hwm = max(hwm, peakRSS(t, p.cmd.Process.Pid))
-	require.Less(t, hwm, int64(limit), "peak RSS %d MiB with %d outcomes of 1 MB behind a stalled NATS", hwm>>20, n)
 }
 
 // JetStream's Nats-Msg-Id dedup covers a replay only within the duplicate window. A relay

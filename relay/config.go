@@ -53,8 +53,13 @@ type Config struct {
 	Streams StreamSettings
 
 	// MaxInFlight bounds the events published and not yet acknowledged plus those queued behind
-	// an earlier event of the same conversation. It bounds memory. Default 8192.
+	// an earlier event of the same conversation. Default 8192.
 	MaxInFlight int
+	// MaxInFlightBytes bounds the bytes of those same events (bodies, plus a small allowance
+	// for headers): with MaxInFlight it bounds the relay's memory when NATS is slow or away,
+	// since an outcome may be as large as the server's max payload. An event larger than the
+	// bound is published alone. Default 64 MiB.
+	MaxInFlightBytes int
 	// AckTimeout is how long a publish may wait for its PubAck before the session restarts from
 	// the confirmed LSN. Default 10s.
 	AckTimeout time.Duration
@@ -119,6 +124,9 @@ type StreamSettings struct {
 // DefaultDeadLetterMaxAge is the default of Config.DeadLetterMaxAge.
 const DefaultDeadLetterMaxAge = 30 * 24 * time.Hour
 
+// DefaultMaxInFlightBytes is the default of Config.MaxInFlightBytes.
+const DefaultMaxInFlightBytes = 64 << 20
+
 // ErrConfig wraps every configuration error.
 var ErrConfig = errors.New("relay config")
 
@@ -178,6 +186,9 @@ func (c *Config) fill() error {
 	defDur(&c.DrainTimeout, 10*time.Second)
 	if c.MaxInFlight <= 0 {
 		c.MaxInFlight = 8192
+	}
+	if c.MaxInFlightBytes <= 0 {
+		c.MaxInFlightBytes = DefaultMaxInFlightBytes
 	}
 	if c.BackfillBatch <= 0 {
 		c.BackfillBatch = 1000

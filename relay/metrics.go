@@ -17,6 +17,7 @@ type metrics struct {
 	confirmedLSN                       prometheus.Gauge
 	slotLagBytes                       prometheus.Gauge
 	inFlight                           prometheus.Gauge
+	inFlightBytes                      prometheus.Gauge
 	active                             prometheus.Gauge
 	reconnects                         prometheus.Counter
 	errors                             *prometheus.CounterVec // stage: postgres|nats|publish|decode
@@ -52,6 +53,9 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_relay_in_flight", Help: "Events published or queued and not yet acknowledged.",
 		}),
+		inFlightBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_relay_in_flight_bytes", Help: "Bytes of the events published or queued and not yet acknowledged (bounded by --max-in-flight-bytes).",
+		}),
 		active: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_relay_active", Help: "1 while this relay holds the slot and streams, 0 as standby or reconnecting.",
 		}),
@@ -78,7 +82,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	m.ignored = m.events.WithLabelValues("ignored")
 	if reg != nil {
 		reg.MustRegister(m.events, m.omitted, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
-			m.slotLagBytes, m.inFlight, m.active, m.reconnects, m.errors, m.slotLost, m.fatal)
+			m.slotLagBytes, m.inFlight, m.inFlightBytes, m.active, m.reconnects, m.errors, m.slotLost, m.fatal)
 	}
 	return m
 }

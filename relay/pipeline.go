@@ -49,10 +49,12 @@ type pipeline struct {
 	send       func(msg *nats.Msg, id uint64) error // set by sendLoop; tests set it
 	maxPending int
 	lowWater   int // room is signalled when outstanding events drop to this
+	maxBytes   int // and outstanding bytes (see eventSize) to maxBytes,
+	lowBytes   int // and to this
 	ackTimeout time.Duration
 	m          *metrics
 
-	room   chan struct{} // cap 1: outstanding events dropped to lowWater
+	room   chan struct{} // cap 1: add refused an event, and outstanding dropped to the low water marks
 	kick   chan struct{} // cap 1: out is not empty
 	failed chan struct{} // closed with the first error (err)
 	idle   chan struct{} // closed when the input ended and every event has its PubAck
@@ -69,6 +71,8 @@ type pipeline struct {
 	cur       *txEntry   // the open transaction, nil between transactions
 	inFlight  int        // published, no PubAck yet
 	queued    int        // waiting behind an earlier event of the same subject
+	bytes     int        // eventSize of the events in flight or queued
+	full      bool       // add refused an event: reply signals room at the low water marks
 	inputDone bool       // closeInput was called
 	stopped   bool       // failed or run returned: nothing more is published or confirmed
 	err       error
@@ -94,6 +98,7 @@ type pendingEvent struct {
 	omitted bool
 	// deadLetter is the kind of change whose dead-letter record this is, "" for an event.
 	deadLetter string
+	size       int // eventSize
 	// sentAt is when the sender handed the event to nats.go (UnixNano), 0 before: the ack
 	// timeout counts from there, so a long queue on a slow but working link does not time out,
 	// and a send stuck in a full socket does.
@@ -108,17 +113,19 @@ type txEntry struct {
 }
 
 func newPipeline(nc *nats.Conn, cfg *Config, m *metrics, confirmed *atomic.Uint64) *pipeline {
-	p := initPipeline(cfg.MaxInFlight, cfg.AckTimeout, m, confirmed)
+	p := initPipeline(cfg.MaxInFlight, cfg.MaxInFlightBytes, cfg.AckTimeout, m, confirmed)
 	p.nc = nc
 	return p
 }
 
-func initPipeline(maxPending int, ackTimeout time.Duration, m *metrics, confirmed *atomic.Uint64) *pipeline {
+func initPipeline(maxPending, maxBytes int, ackTimeout time.Duration, m *metrics, confirmed *atomic.Uint64) *pipeline {
 	return &pipeline{
 		maxPending: maxPending,
 		// Waking the reader for every PubAck when full would hand the CPU back and forth
 		// per event; it resumes when an eighth of the window is free.
 		lowWater:   maxPending - max(1, maxPending/8),
+		maxBytes:   maxBytes,
+		lowBytes:   maxBytes - maxBytes/8,
 		ackTimeout: ackTimeout,
 		m:          m,
 		room:       make(chan struct{}, 1),
@@ -153,6 +160,7 @@ func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Durati
 		p.mu.Unlock()
 		close(p.done)
 		p.m.inFlight.Set(0)
+		p.m.inFlightBytes.Set(0)
 	}()
 	var drainTimer <-chan time.Time
 	tick := time.NewTicker(250 * time.Millisecond)
@@ -182,6 +190,7 @@ func (p *pipeline) tick(now time.Time) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.m.inFlight.Set(float64(p.inFlight + p.queued))
+	p.m.inFlightBytes.Set(float64(p.bytes))
 	if err := p.checkAckTimeout(now); err != nil {
 		p.fail(err)
 		return err
@@ -267,7 +276,8 @@ func (p *pipeline) pending() int {
 func (p *pipeline) outstanding() int { return p.inFlight + p.queued }
 
 // add handles one item of the stream, publishing an event at once unless its subject is busy.
-// It returns false, having done nothing, when MaxInFlight events are outstanding: wait for
+// It returns false, having done nothing, when the event does not fit: MaxInFlight events are
+// outstanding, or MaxInFlightBytes would be exceeded (an event alone always fits). Wait for
 // p.room and call it again.
 func (p *pipeline) add(it item) (bool, error) {
 	p.mu.Lock()
@@ -275,8 +285,11 @@ func (p *pipeline) add(it item) (bool, error) {
 	if p.stopped {
 		return false, errStopped
 	}
-	if it.kind == itemEvent && p.outstanding() >= p.maxPending {
-		return false, nil
+	if it.kind == itemEvent {
+		if n := p.outstanding(); n >= p.maxPending || n > 0 && p.bytes+eventSize(it.msg) > p.maxBytes {
+			p.full = true
+			return false, nil
+		}
 	}
 	if err := p.handle(it); err != nil {
 		p.fail(err)
@@ -316,7 +329,8 @@ func (p *pipeline) reply(a ackResult) {
 		p.fail(err)
 		return
 	}
-	if p.outstanding() == p.lowWater {
+	if p.full && p.outstanding() <= p.lowWater && p.bytes <= p.lowBytes {
+		p.full = false
 		select {
 		case p.room <- struct{}{}:
 		default:
@@ -359,6 +373,14 @@ func (p *pipeline) checkAckTimeout(now time.Time) error {
 	return nil
 }
 
+// eventSize is what an event counts against MaxInFlightBytes: its body and an allowance for
+// its subject, headers and bookkeeping, without walking the headers on the hot path (they
+// are bounded: at most wire.MaxHeaderOutboxIDs ids).
+func eventSize(m *nats.Msg) int { return len(m.Data) + eventOverhead }
+
+// eventOverhead is eventSize's allowance for what an event holds besides its body.
+const eventOverhead = 512
+
 // errNoPubAck marks an ack timeout of events nats.go took without blocking: see
 // checkAckTimeout.
 var errNoPubAck = errors.New("the server answered no publish")
@@ -390,7 +412,9 @@ func (p *pipeline) handle(it item) error {
 			return errors.New("event outside a transaction")
 		}
 		tx.pending++
-		ev := &pendingEvent{msg: it.msg, tx: tx, outcome: it.outcome, omitted: it.omitted, deadLetter: it.deadLetter}
+		ev := &pendingEvent{msg: it.msg, tx: tx, outcome: it.outcome, omitted: it.omitted, deadLetter: it.deadLetter,
+			size: eventSize(it.msg)}
+		p.bytes += ev.size
 		if q, busy := p.subjects[it.msg.Subject]; busy {
 			p.subjects[it.msg.Subject] = append(q, ev)
 			p.queued++
@@ -430,6 +454,7 @@ func (p *pipeline) ack(a ackResult) error {
 	}
 	delete(p.byID, a.id)
 	p.inFlight--
+	p.bytes -= ev.size
 	p.acked.Add(1)
 	now := time.Now()
 	p.m.publishLatency.Observe(now.Sub(time.Unix(0, ev.sentAt.Load())).Seconds())

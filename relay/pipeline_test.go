@@ -24,7 +24,7 @@ func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
 	var confirmed atomic.Uint64
 	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}, MaxInFlight: maxPending}
 	require.NoError(t, cfg.fill())
-	p := initPipeline(maxPending, cfg.AckTimeout, newMetrics(nil), &confirmed)
+	p := initPipeline(maxPending, DefaultMaxInFlightBytes, cfg.AckTimeout, newMetrics(nil), &confirmed)
 	f := &fakePipeline{pipeline: p, ids: map[*nats.Msg]uint64{}}
 	p.send = func(msg *nats.Msg, id uint64) error {
 		f.sent = append(f.sent, msg)

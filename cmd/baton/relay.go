@@ -28,6 +28,8 @@ acknowledgements (--drain-timeout), confirms and exits 0. After an error no retr
 ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits at once.`, stderr)
 	dupWindow := fs.Duration("dup-window", 2*time.Minute, "JetStream duplicate window for the streams it creates")
 	maxInFlight := fs.Int("max-in-flight", 8192, "events published or queued without a PubAck, at most")
+	maxInFlightBytes := fs.Int("max-in-flight-bytes", relay.DefaultMaxInFlightBytes,
+		"bytes of those events, at most (bounds the relay's memory while NATS is slow or away)")
 	drain := fs.Duration("drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for PubAcks")
 	recreateSlot := fs.Bool("recreate-slot", false, "drop a slot of that name that Baton did not create (an operator's or another tool's)\n"+
 		"and create Baton's in its place, with a first-start backfill; without it such a slot is refused")
@@ -52,18 +54,19 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 
 	reg := opsserver.NewRegistry()
 	r, err := relay.New(relay.Config{
-		DatabaseURL:    cfg.DatabaseURL,
-		NATS:           nc,
-		SubjectPrefix:  cfg.SubjectPrefix,
-		Slot:           cfg.Slot,
-		Publication:    cfg.Publication,
-		Streams:        relay.StreamSettings{Duplicates: *dupWindow},
-		MaxInFlight:    *maxInFlight,
-		DrainTimeout:   *drain,
-		RecreateSlot:   *recreateSlot,
-		StaleLockAfter: *staleLock,
-		Logger:         log,
-		Registerer:     reg,
+		DatabaseURL:      cfg.DatabaseURL,
+		NATS:             nc,
+		SubjectPrefix:    cfg.SubjectPrefix,
+		Slot:             cfg.Slot,
+		Publication:      cfg.Publication,
+		Streams:          relay.StreamSettings{Duplicates: *dupWindow},
+		MaxInFlight:      *maxInFlight,
+		MaxInFlightBytes: *maxInFlightBytes,
+		DrainTimeout:     *drain,
+		RecreateSlot:     *recreateSlot,
+		StaleLockAfter:   *staleLock,
+		Logger:           log,
+		Registerer:       reg,
 	})
 	if err != nil {
 		return reportFailure(log, err, 0)

@@ -1,0 +1,119 @@
+package relay_test
+
+import (
+	"bufio"
+	"os"
+	"os/exec"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/relay"
+)
+
+// The events in flight are bounded in bytes as well as in count: an outcome may be as large
+// as the server's max payload, so MaxInFlight alone (8192 events) would let a relay behind a
+// stalled NATS hold gigabytes. Here NATS is frozen while 300 replies of 1 MB are committed:
+// the relay must stop reading once MaxInFlightBytes are outstanding (the walsender then
+// waits on TCP), stay under half the 512Mi memory limit of relay-deployment.yaml, and
+// deliver every reply once NATS is back. On the code that bounded only the count, the
+// walsender sent everything and the relay held it all (seen: 735 MiB for 600 replies).
+func TestInFlightIsBoundedInBytes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := ctxT(t, 4*time.Minute)
+	createConversations(t, b.db.Pool, "c")
+	natsProxy := testsvc.StartProxy(t, strings.TrimPrefix(b.nats.URL(), "nats://"))
+	addr := freeAddr(t)
+	p := b.startAdvProcess(t, b.db.URL, "nats://"+natsProxy.Addr(), "--metrics-addr", addr)
+	require.Eventually(t, func() bool { return p.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay never streamed")
+	const limit = 256 << 20
+
+	natsProxy.Freeze()
+	t.Cleanup(natsProxy.Unfreeze)
+	const n = 300
+	_, err := b.db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content)
+		SELECT 'r' || g, 'c', 'assistant', repeat(chr(97 + g % 26), 1000000) FROM generate_series(1, $1) g`, n)
+	require.NoError(t, err)
+	target := walInsertLSN(t, b)
+	// Sync point: either the walsender sent the relay everything (bar what sits in socket
+	// buffers), or the relay holds a full window and stopped reading.
+	full := float64(relay.DefaultMaxInFlightBytes) * 7 / 8
+	require.Eventually(t, func() bool {
+		if _, body := httpGet(t, "http://"+addr+"/metrics"); gauge(body, "baton_relay_in_flight_bytes") >= full {
+			return true
+		}
+		var sent bool
+		err := b.db.Pool.QueryRow(ctx, `SELECT coalesce(bool_or(r.sent_lsn >= $1::pg_lsn), false)
+			FROM pg_stat_replication r JOIN pg_replication_slots s ON s.active_pid = r.pid
+			WHERE s.slot_name = $2`, target.String(), b.cfg.Slot).Scan(&sent)
+		return err == nil && sent
+	}, time.Minute, 20*time.Millisecond, "the relay neither filled its window nor received every reply")
+	hwm := peakRSS(t, p.cmd.Process.Pid)
+	natsProxy.Unfreeze()
+	b.waitStream(t, "AGENT_OUTCOMES", n, 2*time.Minute)
+	hwm = max(hwm, peakRSS(t, p.cmd.Process.Pid))
+	t.Logf("peak RSS %d MiB", hwm>>20)
+	require.Less(t, hwm, int64(limit), "peak RSS %d MiB with %d outcomes of 1 MB behind a stalled NATS", hwm>>20, n)
+	requireSlotCaughtUp(t, b)
+}
+
+// gauge returns the value of an unlabelled metric in a Prometheus text exposition, or -1.
+func gauge(body, name string) float64 {
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + ` (\S+)$`).FindStringSubmatch(body)
+	if m == nil {
+		return -1
+	}
+	v, err := strconv.ParseFloat(m[1], 64)
+	if err != nil {
+		return -1
+	}
+	return v
+}
+
+// startAdvProcess is startHAProcess with the NATS URL given (a proxy in front of the server).
+func (b *bundle) startAdvProcess(t *testing.T, dbURL, natsURL string, args ...string) *haProcess {
+	t.Helper()
+	cmd := exec.Command(batonBinary(t), append([]string{"relay"}, args...)...)
+	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+dbURL, "BATON_NATS_URL="+natsURL,
+		"BATON_SLOT="+b.cfg.Slot, "BATON_LOG_LEVEL=info")
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	p := &haProcess{cmd: cmd, exited: make(chan struct{})}
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			p.mu.Lock()
+			p.seen = append(p.seen, sc.Text())
+			p.mu.Unlock()
+		}
+		_ = cmd.Wait()
+		close(p.exited)
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGCONT)
+		_ = cmd.Process.Kill()
+		select {
+		case <-p.exited:
+		case <-time.After(30 * time.Second):
+			t.Error("relay process did not exit after SIGKILL")
+		}
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		for _, l := range p.seen {
+			if len(l) > 2000 {
+				l = l[:2000] + "…"
+			}
+			t.Logf("pid %d: %s", cmd.Process.Pid, l)
+		}
+	})
+	return p
+}
