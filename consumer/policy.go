@@ -25,6 +25,12 @@ var (
 	ErrMessageTooLarge = errors.New("message larger than a turn may carry")
 )
 
+// errLeaseLost is returned when a run's rows are no longer its own at commit.
+var errLeaseLost = errors.New("lease lost: the run's rows were recovered or reclaimed")
+
+// errConversationGone is returned when the conversation was deleted during the turn.
+var errConversationGone = errors.New("conversation deleted during the turn")
+
 // errUnreadable: the claimed messages could not be decoded (a value no Go type holds), so no
 // handler can be given the turn.
 var errUnreadable = errors.New("the turn's messages could not be read")
