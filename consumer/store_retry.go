@@ -60,7 +60,7 @@ func retryUncertain(ctx context.Context, do func() error, done func() (bool, err
 			}
 			uncertain = true
 		}
-		if !sleep(ctx, wait) {
+		if !sleep(ctx, realClock{}, wait) {
 			return err
 		}
 		wait = min(2*wait, time.Second)
