@@ -83,7 +83,7 @@ func (w *Worker) nak(ev event, delay time.Duration) {
 //
 // Delivery rule: a held event is acked only once its row is terminal (done or error) or gone;
 // until then it is kept, or nacked with a delay so its source delivers it again later
-// (resolve decides).
+// (settleHeld decides).
 type convLoop struct {
 	w    *Worker
 	conv string
@@ -171,26 +171,11 @@ func (l *convLoop) resolve(ctx context.Context, c claim, terminal []int64) bool 
 		}
 		now := w.clock.Now()
 		for _, ev := range held {
-			st := states[ev.outboxID]
-			switch {
-			case st.status == "" && young(ev, now):
-				// Not visible yet: logical decoding can send a transaction a moment before
-				// other sessions see its commit. A row still missing later was deleted.
-				w.nak(ev, 50*time.Millisecond)
-			case st.status == "" || st.status == "done" || st.status == "error":
+			switch action, delay := settleHeld(states[ev.outboxID], ev.d.storedAt(), c, w.cfg.Debounce, now); action {
+			case ackEvent:
 				w.ack(ev)
-			case st.status == "processing" || !c.locked || c.busy:
-				// Another run holds the conversation: it will take these rows; look again later.
-				w.nak(ev, max(time.Second, w.cfg.Debounce))
-			case st.available.After(now):
-				w.nak(ev, st.available.Sub(now))
-			case c.waitUntil.After(now):
-				// An earlier row of the conversation backs off: this one waits its turn.
-				w.nak(ev, c.waitUntil.Sub(now))
-			case len(c.ids) == 0:
-				// Claimable yet not claimed (clocks of worker and database disagree on
-				// available_at): look again shortly instead of spinning.
-				w.nak(ev, 100*time.Millisecond)
+			case nakEvent:
+				w.nak(ev, delay)
 			default:
 				keep = append(keep, ev)
 			}
@@ -232,10 +217,4 @@ func (l *convLoop) settle(delay time.Duration) {
 	for _, ev := range l.w.takeHeld(l.conv) {
 		l.w.nak(ev, delay)
 	}
-}
-
-// young reports whether ev was stored by its source less than missingGrace ago.
-func young(ev event, now time.Time) bool {
-	at := ev.d.storedAt()
-	return !at.IsZero() && now.Sub(at) < missingGrace
 }

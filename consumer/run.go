@@ -44,10 +44,10 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 		reply, herr = w.handle(turnCtx, conv, runID, c)
 	}
 	cancel(nil)
-	cause := context.Cause(turnCtx) // fixed now: later cancels change nothing
-	if errors.Is(cause, errLeaseLost) || errors.Is(herr, errLeaseLost) {
+	end := endOfTurn(herr, context.Cause(turnCtx)) // the cause is fixed now: later cancels change nothing
+	if end == turnLost {
 		// Recovery (or whoever took the rows) decides their fate, seeing this run's operations.
-		w.m.turns.WithLabelValues("lease_lost").Inc()
+		w.m.turns.WithLabelValues(resultLeaseLost).Inc()
 		log.Warn("lease lost during the turn; its result is discarded")
 		return nil
 	}
@@ -58,13 +58,13 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 	var result string
 	var terminal []int64
 	var err error
-	if herr == nil {
+	if end == turnReplied {
 		result, terminal = "done", c.ids
 		err = w.finish(dbCtx, finishReq{conversationID: conv, runID: runID, ids: c.ids,
 			outcome: outcome{role: "assistant", content: reply.Content}})
 	} else {
 		// Not a reply: endOfRun decides per row, seeing every write operation of the run.
-		stopping := errors.Is(cause, errStopping)
+		stopping := end == turnStopped
 		var e ended
 		e, err = w.store.endRun(dbCtx, endReq{conversationID: conv, runID: runID, ids: c.ids, cause: herr,
 			stopping: stopping, permanent: c.oversize || c.unreadable})
@@ -72,15 +72,13 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 		log.Warn("turn failed", "error", detail(herr), "attempt", c.attempts, "stopping", stopping,
 			"result", result, "failed", e.failed, "pending", e.retried)
 	}
-	switch {
-	case errors.Is(err, errConversationGone):
-		result, terminal = "cancelled", c.ids
+	result, terminal = afterCommit(result, terminal, c.ids, err)
+	switch result {
+	case resultCancelled:
 		log.Info("conversation deleted during the turn; result discarded")
-	case errors.Is(err, errLeaseLost):
-		result, terminal = "lease_lost", nil
+	case resultLeaseLost:
 		log.Warn("lease lost before the commit; result discarded")
-	case err != nil:
-		result, terminal = "commit_failed", nil
+	case resultCommitFailed:
 		log.Error("commit turn", "error", err) // rows stay processing; recovery takes them after the lease
 	}
 	w.m.turns.WithLabelValues(result).Inc()

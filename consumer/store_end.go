@@ -3,7 +3,6 @@ package consumer
 import (
 	"context"
 	"fmt"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -87,6 +86,8 @@ func (s *store) endRun(ctx context.Context, r endReq) (ended, error) {
 }
 
 // endHeld is the decision and the writes of endRun and recoverRun, in tx, for rows it holds.
+// endHeld is the decision and the writes of endRun and recoverRun, in tx, for rows it holds:
+// planEnd decides, row by row, and endHeld writes what it decided.
 func (s *store) endHeld(ctx context.Context, tx pgx.Tx, r endReq, held []heldRow, replyID string) (ended, error) {
 	e := ended{reason: detail(r.cause)}
 	var wrote bool
@@ -100,31 +101,14 @@ func (s *store) endHeld(ctx context.Context, tx pgx.Tx, r endReq, held []heldRow
 	if _, err := tx.Exec(ctx, closeOperationsSQL, r.runID, sanitize(interrupted, maxDetailBytes)); err != nil {
 		return e, fmt.Errorf("close operations of run %s: %w", r.runID, err)
 	}
-	var delays []int64
-	var refunds []bool
-	var cause error // the failure the visible rows end with: the first row's
-	result := endRetry
-	for _, h := range held {
-		switch end := endOfRun(wrote, r.permanent, h.attempts, s.maxAttempts, r.stopping); end {
-		case endFail:
-			e.failed = append(e.failed, h.id)
-			if cause == nil {
-				cause = failure(wrote, r.permanent, h.attempts, r.cause)
-			}
-		default:
-			e.retried = append(e.retried, h.id)
-			var delay time.Duration
-			if end == endRetry {
-				delay = s.backoff(h.attempts)
-			}
-			delays = append(delays, delay.Milliseconds())
-			refunds = append(refunds, end == endRelease)
-			result = end
-		}
-	}
-	e.result = result.String()
+	p := planEnd(r, held, wrote, s.maxAttempts, s.backoff)
+	e.failed, e.retried, e.result = p.failed, p.retried, p.result.String()
 	if len(e.retried) > 0 {
-		if _, err := tx.Exec(ctx, requeueSQL, e.retried, delays, e.reason, refunds); err != nil {
+		delays := make([]int64, len(p.delays))
+		for i, d := range p.delays {
+			delays[i] = d.Milliseconds()
+		}
+		if _, err := tx.Exec(ctx, requeueSQL, e.retried, delays, e.reason, p.refunds); err != nil {
 			return e, fmt.Errorf("requeue rows of run %s: %w", r.runID, err)
 		}
 	}
@@ -136,10 +120,9 @@ func (s *store) endHeld(ctx context.Context, tx pgx.Tx, r endReq, held []heldRow
 		_, err := tx.Exec(ctx, endRunSQL, r.runID, outcome, e.reason)
 		return e, err
 	}
-	e.result = "error"
-	e.reason = detail(cause)
+	e.reason = detail(p.cause)
 	err := s.finishIn(ctx, tx, []finishReq{{conversationID: r.conversationID, runID: r.runID, ids: e.failed,
-		replyID: replyID, outcome: outcome{role: "error", content: s.failureMessage(cause), reason: e.reason}}})
+		replyID: replyID, outcome: outcome{role: "error", content: s.failureMessage(p.cause), reason: e.reason}}})
 	return e, err
 }
 
