@@ -7,12 +7,13 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// This file holds every SQL statement of the package, grouped by role; the methods that run
+// This file holds every SQL statement of the package, grouped by role. The methods that run
 // them live in store_claim.go (claims and leases), store_finish.go (final commits),
 // store_end.go (runs ending without a reply, and recovery) and store_read.go (tool
-// operations and the reads of the sources and the conversation loop).
+// operations, and the reads of the sources and the conversation loop); store_retry.go says
+// which failures are retried and how.
 
-// store holds the SQL of claims, leases, final commits and recovery. Every statement that
+// store runs the SQL of claims, leases, final commits and recovery. Every statement that
 // changes a claimed row is fenced by run id: a run whose rows were recovered or reclaimed
 // changes nothing.
 type store struct {
