@@ -116,9 +116,11 @@ func pct(l []time.Duration, p float64) time.Duration {
 // producer-commit → reply-commit p50/p99 at 200 turns/s for both sources, measured in the
 // same run. Numbers are for comparison within the run, never asserted.
 func TestBenchmarkTurns(t *testing.T) {
-	if testing.Short() || !benchEnabled() {
-		t.Log("set BATON_BENCH=1 to run the worker benchmark")
-		return
+	if !benchEnabled() {
+		t.Skip("set BATON_BENCH=1; `baton bench turns` will replace it")
+	}
+	if testing.Short() {
+		t.Skip("the worker benchmark does not run with -short")
 	}
 	const n = 6000
 	// Each measurement runs in a subtest, so its servers, relay and workers stop before the

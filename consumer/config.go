@@ -12,7 +12,43 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/batonhq/baton/internal/config"
 	"github.com/batonhq/baton/wire"
+)
+
+// Defaults of Config's fields. Each is also the worker default of Baton's own configuration
+// (internal/config), from which it takes its value, so the two cannot drift.
+const (
+	// DefaultDurable is Config.Durable's default: "baton-workers".
+	DefaultDurable = config.DefaultWorkerDurable
+	// DefaultDebounce is Config.Debounce's default: 5ms.
+	DefaultDebounce = config.DefaultWorkerDebounce
+	// DefaultLease is Config.Lease's default: 30s.
+	DefaultLease = config.DefaultWorkerLease
+	// DefaultMaxAttempts is Config.MaxAttempts's default: 3.
+	DefaultMaxAttempts = config.DefaultWorkerMaxAttempts
+	// DefaultBackoffBase is Config.BackoffBase's default: 1s.
+	DefaultBackoffBase = config.DefaultWorkerBackoffBase
+	// DefaultBackoffMax is Config.BackoffMax's default: 1m.
+	DefaultBackoffMax = config.DefaultWorkerBackoffMax
+	// DefaultMaxConcurrentTurns is Config.MaxConcurrentTurns's default: 128.
+	DefaultMaxConcurrentTurns = config.DefaultWorkerMaxConcurrentTurns
+	// DefaultPollInterval is Config.PollInterval's default: 250ms.
+	DefaultPollInterval = config.DefaultWorkerPollInterval
+	// DefaultSweepInterval is Config.SweepInterval's default: 15s.
+	DefaultSweepInterval = config.DefaultWorkerSweepInterval
+	// DefaultRecoveryInterval is Config.RecoveryInterval's default: 5s.
+	DefaultRecoveryInterval = config.DefaultWorkerRecoveryInterval
+	// DefaultAckWait is Config.AckWait's default: 30s.
+	DefaultAckWait = config.DefaultWorkerAckWait
+	// DefaultMaxAckPending is Config.MaxAckPending's default: 20000.
+	DefaultMaxAckPending = config.DefaultWorkerMaxAckPending
+	// DefaultShutdownGrace is Config.ShutdownGrace's default: 10s.
+	DefaultShutdownGrace = config.DefaultWorkerShutdownGrace
+	// DefaultMaxTurnMessages is Config.MaxTurnMessages's default: 100.
+	DefaultMaxTurnMessages = config.DefaultWorkerMaxTurnMessages
+	// DefaultMaxTurnBytes is Config.MaxTurnBytes's default: 8 MiB.
+	DefaultMaxTurnBytes = config.DefaultWorkerMaxTurnBytes
 )
 
 // Config configures a Worker. Zero values take the defaults named on each field.
@@ -26,55 +62,60 @@ type Config struct {
 	// slow sweep of Postgres for anything no event woke. Nil selects the polling source, which
 	// claims straight from agent_outbox. Both run the same claim, turn and commit code.
 	NATS *nats.Conn
-	// SubjectPrefix is the relay's subject prefix. Default "agent".
+	// SubjectPrefix is the relay's subject prefix. Default wire.DefaultSubjectPrefix ("agent").
 	SubjectPrefix string
 	// Stream is the turns stream. Default: the relay's default for the prefix ("AGENT_TURNS").
 	Stream string
-	// Durable names the shared durable consumer. Default "baton-workers".
+	// Durable names the shared durable consumer. Default DefaultDurable ("baton-workers").
 	Durable string
 	// Name identifies this worker in agent_runs. Default: host name and process id.
 	Name string
 
 	// Debounce is how long after the first message of an idle conversation was written a worker
 	// claims, so a burst of messages becomes one turn. The time the event took to reach the
-	// worker counts toward it; a worker never waits longer than Debounce. Default 5ms.
+	// worker counts toward it; a worker never waits longer than Debounce. Default
+	// DefaultDebounce (5ms).
 	Debounce time.Duration
 	// Lease is how long a claim holds its rows without renewal; it is renewed every Lease/3
-	// while the turn runs. Default 30s.
+	// while the turn runs. Default DefaultLease (30s).
 	Lease time.Duration
-	// MaxAttempts caps claims of a row; the last failure commits a visible error. Default 3.
+	// MaxAttempts caps claims of a row; the last failure commits a visible error. Default
+	// DefaultMaxAttempts (3).
 	MaxAttempts int
 	// BackoffBase and BackoffMax shape the wait before a failed row is claimable again:
-	// BackoffBase doubled per attempt, at most BackoffMax. Defaults 1s and 1m.
+	// BackoffBase doubled per attempt, at most BackoffMax. Defaults DefaultBackoffBase (1s) and
+	// DefaultBackoffMax (1m).
 	BackoffBase, BackoffMax time.Duration
 	// MaxConcurrentTurns bounds the turns this worker runs at once. Turns mostly wait on a
 	// model, and the claims and final commits of concurrent turns share statements, so more
 	// of them in flight costs Postgres less per turn (measured with a zero-latency handler:
-	// 32 -> 1,350 turns/s, 128 -> 2,000 on 2 cores). Default 128.
+	// 32 -> 1,350 turns/s, 128 -> 2,000 on 2 cores). Default DefaultMaxConcurrentTurns (128).
 	MaxConcurrentTurns int
-	// PollInterval is how often the polling source looks for pending rows. Default 250ms.
+	// PollInterval is how often the polling source looks for pending rows. Default
+	// DefaultPollInterval (250ms).
 	PollInterval time.Duration
 	// SweepInterval is how often the JetStream source sweeps Postgres for pending rows that no
-	// event woke (older than the interval). Default 15s.
+	// event woke (older than the interval). Default DefaultSweepInterval (15s).
 	SweepInterval time.Duration
-	// RecoveryInterval is how often expired leases are recovered. Default 5s.
+	// RecoveryInterval is how often expired leases are recovered. Default DefaultRecoveryInterval (5s).
 	RecoveryInterval time.Duration
 	// AckWait is the consumer's ack wait; held events get InProgress every AckWait/3.
-	// Default 30s.
+	// Default DefaultAckWait (30s).
 	AckWait time.Duration
-	// MaxAckPending bounds the events held by all workers of the durable. Default 20000.
+	// MaxAckPending bounds the events held by all workers of the durable. Default
+	// DefaultMaxAckPending (20000).
 	MaxAckPending int
 	// ShutdownGrace is how long running turns may finish after the worker is told to stop;
 	// then their context is cancelled and their rows are released for another worker, the
 	// attempt not counted, unless a Write tool ran or may have run: such a turn ends as a
-	// visible failure. Default 10s.
+	// visible failure. Default DefaultShutdownGrace (10s).
 	ShutdownGrace time.Duration
 	// MaxTurnMessages caps the messages one claim takes; the rest go to the next turn.
-	// Default 100.
+	// Default DefaultMaxTurnMessages (100).
 	MaxTurnMessages int
 	// MaxTurnBytes caps the content one claim takes, in bytes, beyond its first message; the
 	// rest go to the next turn. A single message larger than this ends as a visible failure
-	// (ErrMessageTooLarge) without a handler call. Default 8 MiB.
+	// (ErrMessageTooLarge) without a handler call. Default DefaultMaxTurnBytes (8 MiB).
 	MaxTurnBytes int
 	// FailureMessage returns the text of the error message a user sees when a request fails
 	// for good. Its error wraps ErrSideEffect, ErrAttemptsExhausted, ErrWorkerLost or
@@ -109,7 +150,7 @@ func (c *Config) fill() error {
 		c.Stream = wire.StreamName(c.SubjectPrefix, wire.KindTurns)
 	}
 	if c.Durable == "" {
-		c.Durable = "baton-workers"
+		c.Durable = DefaultDurable
 	}
 	if c.Name == "" {
 		host, _ := os.Hostname()
@@ -120,32 +161,27 @@ func (c *Config) fill() error {
 			*d = v
 		}
 	}
-	dur(&c.Debounce, 5*time.Millisecond)
-	dur(&c.Lease, 30*time.Second)
-	dur(&c.BackoffBase, time.Second)
-	dur(&c.BackoffMax, time.Minute)
-	dur(&c.PollInterval, 250*time.Millisecond)
-	dur(&c.SweepInterval, 15*time.Second)
-	dur(&c.RecoveryInterval, 5*time.Second)
-	dur(&c.AckWait, 30*time.Second)
-	dur(&c.ShutdownGrace, 10*time.Second)
-	if c.MaxAttempts <= 0 {
-		c.MaxAttempts = 3
+	dur(&c.Debounce, DefaultDebounce)
+	dur(&c.Lease, DefaultLease)
+	dur(&c.BackoffBase, DefaultBackoffBase)
+	dur(&c.BackoffMax, DefaultBackoffMax)
+	dur(&c.PollInterval, DefaultPollInterval)
+	dur(&c.SweepInterval, DefaultSweepInterval)
+	dur(&c.RecoveryInterval, DefaultRecoveryInterval)
+	dur(&c.AckWait, DefaultAckWait)
+	dur(&c.ShutdownGrace, DefaultShutdownGrace)
+	num := func(n *int, v int) {
+		if *n <= 0 {
+			*n = v
+		}
 	}
-	if c.MaxConcurrentTurns <= 0 {
-		c.MaxConcurrentTurns = 128
-	}
-	if c.MaxTurnMessages <= 0 {
-		c.MaxTurnMessages = 100
-	}
-	if c.MaxTurnBytes <= 0 {
-		c.MaxTurnBytes = 8 << 20
-	}
+	num(&c.MaxAttempts, DefaultMaxAttempts)
+	num(&c.MaxConcurrentTurns, DefaultMaxConcurrentTurns)
+	num(&c.MaxTurnMessages, DefaultMaxTurnMessages)
+	num(&c.MaxTurnBytes, DefaultMaxTurnBytes)
+	num(&c.MaxAckPending, DefaultMaxAckPending)
 	if c.FailureMessage == nil {
 		c.FailureMessage = DefaultFailureMessage
-	}
-	if c.MaxAckPending <= 0 {
-		c.MaxAckPending = 20000
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))

@@ -18,18 +18,19 @@
 //     the tool runs, and only while the run holds every claimed row with a live lease
 //     (recordOperationSQL). A write operation row exists ⇒ the effect may have happened ⇒ the
 //     turn never replays automatically, whatever the row's status (endOfRun).
-//   - A turn without a reply ends by endOfRun, per row, in one transaction (store.endRun):
-//     a write ⇒ visible failure; shutdown ⇒ released, attempt refunded; the row's own attempts
-//     at Config.MaxAttempts ⇒ visible failure; else pending after a backoff. A visible failure
-//     shows users Config.FailureMessage, never internal error text. Work is never deleted.
+//   - A turn without a reply ends by endOfRun, per row (planEnd), in one transaction
+//     (store.endRun): a write ⇒ visible failure; shutdown ⇒ released, attempt refunded; the
+//     row's own attempts at Config.MaxAttempts ⇒ visible failure; else pending after a
+//     backoff. A visible failure shows users Config.FailureMessage, never internal error text.
+//     Work is never deleted.
 //   - Expired leases are recovered at start and every RecoveryInterval (store.recoverRun), all
 //     of a run's rows or none, by the same rule.
 //   - A shared final commit that fails is redone run by run, so one run's failure never fails
 //     another's; transient failures are retried, and a commit whose answer was lost is found
 //     by its reply id.
 //   - A turn event is acked only when its row is terminal (done or error) or gone; otherwise
-//     it is kept in progress or nacked with a delay, so JetStream keeps it until Postgres says
-//     the request is finished.
+//     it is kept in progress or nacked with a delay (settleHeld), so JetStream keeps it until
+//     Postgres says the request is finished.
 //   - A conversation deleted during a turn fails the final commit on its foreign key: the
 //     result is discarded, the events are acked, and nothing is recreated.
 package consumer

@@ -1,6 +1,8 @@
 package consumer
 
-// Found by a second adversarial review of issue 9's change; each test failed before its fix.
+// Faults and races around claims, final commits and recovery: answers lost to a timeout or a
+// dropped connection, locks held by others, recreated conversations, rows Baton does not write.
+// Each test holds one of the worker's promises against one of them.
 
 import (
 	"context"

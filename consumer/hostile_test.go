@@ -2,7 +2,7 @@ package consumer
 
 // Rows and timing that Baton never writes itself but that a database role or an application
 // can produce: none of them may stop a worker, strand another conversation's claim, or switch
-// the fence off. Found by an adversarial review of issue 9's change; each test failed on it.
+// the fence off.
 
 import (
 	"context"

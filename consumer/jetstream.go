@@ -11,13 +11,33 @@ import (
 	"unicode/utf8"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/batonhq/baton/wire"
 )
 
-// consumeJetStream feeds turn events from the durable consumer to the conversation loops
-// until ctx ends. It waits for the stream, which the relay creates.
-func (w *Worker) consumeJetStream(ctx context.Context) error {
+// jetStreamSource feeds the relay's turn events from the workers' durable consumer to the
+// conversation loops, and sweeps Postgres every SweepInterval for pending rows that no event
+// woke (older than the interval).
+type jetStreamSource struct{ w *Worker }
+
+func (s *jetStreamSource) announcesRows() bool { return true }
+
+func (s *jetStreamSource) run(ctx context.Context) error {
+	w := s.w
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return s.consume(gctx) })
+	sweep := w.sweep(w.cfg.SweepInterval)
+	g.Go(func() error {
+		return w.every(gctx, w.cfg.SweepInterval, func(ctx context.Context) { sweep(ctx) })
+	})
+	return g.Wait()
+}
+
+// consume feeds turn events from the durable consumer to the conversation loops until ctx
+// ends. It waits for the stream, which the relay creates.
+func (s *jetStreamSource) consume(ctx context.Context) error {
+	w := s.w
 	js, err := jetstream.New(w.cfg.NATS)
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
@@ -32,7 +52,7 @@ func (w *Worker) consumeJetStream(ctx context.Context) error {
 			return nil
 		}
 		w.cfg.Logger.Info("waiting for the turns stream (the relay creates it)", "stream", w.cfg.Stream, "error", err)
-		if !sleep(ctx, wait) {
+		if !sleep(ctx, w.clock, wait) {
 			return nil
 		}
 	}
@@ -49,7 +69,7 @@ func (w *Worker) consumeJetStream(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("create consumer %s: %w", w.cfg.Durable, err)
 	}
-	cc, err := cons.Consume(func(msg jetstream.Msg) { w.onEvent(ctx, msg) },
+	cc, err := cons.Consume(func(msg jetstream.Msg) { s.onEvent(ctx, msg) },
 		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
 			if !errors.Is(err, jetstream.ErrNoHeartbeat) || ctx.Err() == nil {
 				w.cfg.Logger.Warn("consume", "error", err)
@@ -64,7 +84,10 @@ func (w *Worker) consumeJetStream(ctx context.Context) error {
 	return nil
 }
 
-func (w *Worker) onEvent(ctx context.Context, msg jetstream.Msg) {
+// onEvent hands a turn event to its conversation's loop. A malformed event is terminated:
+// no redelivery can make it readable.
+func (s *jetStreamSource) onEvent(ctx context.Context, msg jetstream.Msg) {
+	w := s.w
 	id, err := strconv.ParseInt(msg.Headers().Get(wire.HeaderOutboxID), 10, 64)
 	var ev wire.TurnEvent
 	if err == nil {
@@ -87,7 +110,7 @@ func (w *Worker) onEvent(ctx context.Context, msg jetstream.Msg) {
 	if md, err := msg.Metadata(); err == nil {
 		seq = md.Sequence.Stream
 	}
-	w.schedule(ctx, ev.ConversationID, &event{outboxID: id, seq: seq, msg: msg}, ev.CreatedAt)
+	w.schedule(ctx, ev.ConversationID, &event{outboxID: id, seq: seq, d: jsDelivery{msg: msg, m: w.m}}, ev.CreatedAt)
 }
 
 // validID reports whether id can be a conversation id: 1 to 200 bytes of valid UTF-8 with no
@@ -95,4 +118,46 @@ func (w *Worker) onEvent(ctx context.Context, msg jetstream.Msg) {
 // not written by the relay, and would fail every claim it joined.
 func validID(id string) bool {
 	return id != "" && len(id) <= 200 && utf8.ValidString(id) && !strings.ContainsRune(id, 0)
+}
+
+// jsDelivery settles a turn event with JetStream, and counts what it settled.
+type jsDelivery struct {
+	msg jetstream.Msg
+	m   *metrics
+}
+
+// ack acknowledges the message: JetStream forgets it.
+func (d jsDelivery) ack() error {
+	if err := d.msg.Ack(); err != nil {
+		return err
+	}
+	d.m.events.WithLabelValues("acked").Inc()
+	return nil
+}
+
+// nak negatively acknowledges the message: JetStream redelivers it after delay (at once when 0).
+func (d jsDelivery) nak(delay time.Duration) error {
+	var err error
+	if delay > 0 {
+		err = d.msg.NakWithDelay(delay)
+	} else {
+		err = d.msg.Nak()
+	}
+	if err != nil {
+		return err
+	}
+	d.m.events.WithLabelValues("nacked").Inc()
+	return nil
+}
+
+// inProgress resets the message's ack wait: JetStream does not redeliver it for another AckWait.
+func (d jsDelivery) inProgress() error { return d.msg.InProgress() }
+
+// storedAt is when the stream stored the message; zero when its metadata cannot be read.
+func (d jsDelivery) storedAt() time.Time {
+	md, err := d.msg.Metadata()
+	if err != nil {
+		return time.Time{}
+	}
+	return md.Timestamp
 }

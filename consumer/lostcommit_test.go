@@ -34,7 +34,7 @@ func viaProxy(t *testing.T, db *testsvc.Database) (*pgxpool.Pool, *testsvc.Proxy
 	return pool, proxy
 }
 
-// Defect 3: a final commit whose answer is lost (the connection dropped after Postgres
+// A final commit whose answer is lost (the connection dropped after Postgres
 // committed) is recognised by its reply id: reported as committed, not as a lost lease, and
 // not committed twice.
 func TestFinishWhoseAnswerWasLost(t *testing.T) {

@@ -18,7 +18,7 @@ import (
 	"github.com/batonhq/baton/wire"
 )
 
-// Defect 1: a write tool that returned an error may still have had its effect (a timeout
+// A write tool that returned an error may still have had its effect (a timeout
 // after the request went out): the turn is never replayed, whatever the operation's status.
 func TestWriteToolErrorIsNotRetried(t *testing.T) {
 	for _, src := range sources {
@@ -43,7 +43,7 @@ func TestWriteToolErrorIsNotRetried(t *testing.T) {
 	}
 }
 
-// Defect 1: a write tool cut short by shutdown (ShutdownGrace ran out) may have had its
+// A write tool cut short by shutdown (ShutdownGrace ran out) may have had its
 // effect: the turn ends as a visible failure, not released for another worker to replay.
 func TestShutdownDuringAWriteToolEndsVisibly(t *testing.T) {
 	t.Parallel()
@@ -77,7 +77,7 @@ func TestShutdownDuringAWriteToolEndsVisibly(t *testing.T) {
 	require.Equal(t, []string{"error", "done"}, testsvc.Query[string](t, b.db, `SELECT status FROM agent_outbox ORDER BY id`))
 }
 
-// Defect 6: what a user sees of a failure is a generic message; the detail (redacted) goes to
+// What a user sees of a failure is a generic message; the detail (redacted) goes to
 // last_error and agent_runs.error.
 func TestFailureTextIsGenericAndDetailRedacted(t *testing.T) {
 	t.Parallel()
@@ -101,7 +101,7 @@ func TestFailureTextIsGenericAndDetailRedacted(t *testing.T) {
 	}
 }
 
-// Defect 8: the attempt cap applies to each row's own attempts: a new message claimed with a
+// The attempt cap applies to each row's own attempts: a new message claimed with a
 // row that already failed twice does not fail on its first attempt.
 func TestAttemptsArePerRow(t *testing.T) {
 	t.Parallel()
@@ -126,7 +126,7 @@ func TestAttemptsArePerRow(t *testing.T) {
 	require.Equal(t, []string{"echo: fine"}, testsvc.Query[string](t, b.db, `SELECT content FROM messages WHERE role = 'assistant'`))
 }
 
-// Defect 4: a message larger than a turn may carry ends as a visible failure at once, without
+// A message larger than a turn may carry ends as a visible failure at once, without
 // a handler call and without a retry loop; the conversation's next message still gets its turn.
 func TestOversizeMessageFailsVisiblyOnce(t *testing.T) {
 	t.Parallel()

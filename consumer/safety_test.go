@@ -29,7 +29,7 @@ func operation(t *testing.T, db *testsvc.Database, run, conv, effect, status str
 	require.NoError(t, err)
 }
 
-// Defect 1: a write operation row, whatever its status, means the effect may have happened:
+// A write operation row, whatever its status, means the effect may have happened:
 // recovery never puts such a turn back to pending. A write recorded as error (the tool was
 // cancelled mid-call, or failed after its effect; or an earlier recovery marked it interrupted
 // and then failed to commit the visible failure) is a side effect too.
@@ -54,7 +54,7 @@ func TestRecoveryNeverReplaysAfterAWriteOperation(t *testing.T) {
 	}
 }
 
-// Defect 2: the tool check sees every claimed row of the run or refuses. A run that lost one
+// The tool check sees every claimed row of the run or refuses. A run that lost one
 // of its rows (taken by a recovery that saw only part of the run) must not start a tool.
 func TestToolRefusedWhenTheRunLostAnyRow(t *testing.T) {
 	ctx := context.Background()
@@ -78,7 +78,7 @@ func TestToolRefusedWhenTheRunLostAnyRow(t *testing.T) {
 	require.Empty(t, testsvc.Query[string](t, db, `SELECT tool FROM operations`))
 }
 
-// Defect 2: renewal succeeds only while the run holds every claimed row.
+// Renewal succeeds only while the run holds every claimed row.
 func TestRenewFailsWhenTheRunLostAnyRow(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
@@ -97,7 +97,7 @@ func TestRenewFailsWhenTheRunLostAnyRow(t *testing.T) {
 	require.False(t, ok, "a run that lost one of its rows lost its turn")
 }
 
-// Defect 2: recovery takes every row of an expired run or none. While another transaction
+// Recovery takes every row of an expired run or none. While another transaction
 // holds one of the rows (a tool check or a renewal in flight), recovery leaves the whole run
 // alone; once it is free, recovery takes the run whole.
 func TestRecoveryTakesAllOfARunOrNothing(t *testing.T) {
@@ -128,7 +128,7 @@ func TestRecoveryTakesAllOfARunOrNothing(t *testing.T) {
 	require.Equal(t, []string{"pending", "pending"}, testsvc.Query[string](t, db, `SELECT status FROM agent_outbox ORDER BY id`))
 }
 
-// Defect 3: one run's bad text never fails its batch-mates. Reasons are sanitized (valid
+// One run's bad text never fails its batch-mates. Reasons are sanitized (valid
 // UTF-8, no NUL, bounded), and a run whose commit fails for a reason of its own is isolated.
 func TestFinishManyIsolatesAnyFailingRun(t *testing.T) {
 	ctx := context.Background()
@@ -161,7 +161,7 @@ func TestFinishManyIsolatesAnyFailingRun(t *testing.T) {
 	require.LessOrEqual(t, len(testsvc.Query[string](t, db, `SELECT last_error FROM agent_outbox WHERE conversation_id = 'd'`)[0]), 8<<10)
 }
 
-// Defect 4: a claim is capped in messages and bytes; the rest goes to the next turn.
+// A claim is capped in messages and bytes; the rest goes to the next turn.
 func TestClaimIsCapped(t *testing.T) {
 	ctx := context.Background()
 	t.Run("messages", func(t *testing.T) {
@@ -195,7 +195,7 @@ func TestClaimIsCapped(t *testing.T) {
 	})
 }
 
-// Defect 5: a conversation's rows are claimed as an ordered prefix: while its oldest pending
+// A conversation's rows are claimed as an ordered prefix: while its oldest pending
 // row waits out its backoff, nothing of the conversation is claimed.
 func TestClaimWaitsForTheOldestRowsBackoff(t *testing.T) {
 	ctx := context.Background()
@@ -210,7 +210,7 @@ func TestClaimWaitsForTheOldestRowsBackoff(t *testing.T) {
 	require.WithinDuration(t, time.Now().Add(time.Hour), c.waitUntil, time.Minute, "the claim says when to look again")
 }
 
-// Defect 7: reply ids cannot collide with a client's message ids.
+// Reply ids cannot collide with a client's message ids.
 func TestReplyIDsCannotCollideWithClientIDs(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
@@ -232,7 +232,7 @@ func TestReplyIDsCannotCollideWithClientIDs(t *testing.T) {
 	require.NoError(t, err)
 }
 
-// Defect 3: a final commit cut off by a transient error (here its backend is terminated while
+// A final commit cut off by a transient error (here its backend is terminated while
 // it waits for a lock: SQLSTATE 57P01, connection lost) is retried, fenced as before, and
 // commits once.
 func TestFinishRetriesATerminatedConnection(t *testing.T) {

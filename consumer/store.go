@@ -1,25 +1,19 @@
 package consumer
 
 import (
-	"context"
-	"crypto/rand"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
-	"net"
-	"strings"
-	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/batonhq/baton/wire"
 )
 
-// store holds the SQL of claims, leases, final commits and recovery. Every statement that
+// This file holds every SQL statement of the package, grouped by role. The methods that run
+// them live in store_claim.go (claims and leases), store_finish.go (final commits),
+// store_end.go (runs ending without a reply, and recovery) and store_read.go (tool
+// operations, and the reads of the sources and the conversation loop); store_retry.go says
+// which failures are retried and how.
+
+// store runs the SQL of claims, leases, final commits and recovery. Every statement that
 // changes a claimed row is fenced by run id: a run whose rows were recovered or reclaimed
 // changes nothing.
 type store struct {
@@ -50,28 +44,7 @@ func (s *store) lockTimeoutSetting() string {
 	return fmt.Sprintf("%dms", d.Milliseconds())
 }
 
-// claimReq asks to claim a conversation for a new run.
-type claimReq struct {
-	conversationID string
-	runID          string
-}
-
-// claim is what one claim returned.
-type claim struct {
-	locked   bool // this worker held the conversation's lock for the claim
-	busy     bool // a run of another worker holds the conversation
-	ids      []int64
-	attempts int       // the highest attempt number among the claimed rows
-	messages []Message // the claimed user messages, in id order
-	// oversize: the claim holds one message larger than maxBytes, without its content.
-	oversize bool
-	// unreadable: the claimed messages could not be decoded; the run ends as a visible
-	// failure without a handler call.
-	unreadable bool
-	// waitUntil: nothing was claimed because the conversation's oldest pending row backs off
-	// until then.
-	waitUntil time.Time
-}
+// Claims and leases.
 
 // lockConversationsSQL takes the conversations' claim locks and records, for the rest of the
 // transaction, which ones it got; SKIP LOCKED makes a concurrent claimer give up at once
@@ -161,112 +134,13 @@ LEFT JOIN claimed c ON c.conversation_id = i.conversation_id
 LEFT JOIN messages m ON m.id = c.message_id
 GROUP BY i.conversation_id, conv.id`
 
-// claimMany claims several conversations, each for its own run, in one round trip: for each,
-// an ordered, capped prefix of its pending rows (see claimSQL), unless another run holds the
-// conversation. The returned ids define the turn. The conversations must be distinct.
-//
-// Both statements go in one pipelined batch, which Postgres runs as one implicit transaction:
-// the locks are held until the claim commits, and the claim statement still gets a snapshot of
-// its own, taken after the locks. When a shared claim fails, each conversation is claimed on
-// its own, so one conversation's trouble never stops another's claims.
-func (s *store) claimMany(ctx context.Context, reqs []claimReq) ([]claim, error) {
-	out, err := s.claimAll(ctx, reqs)
-	if err == nil {
-		return out, nil
-	}
-	s.unclaim(ctx, reqs) // in case it committed and only the answer was lost
-	if len(reqs) == 1 {
-		return nil, fmt.Errorf("claim conversation %q: %w", reqs[0].conversationID, err)
-	}
-	if ctx.Err() != nil {
-		return nil, fmt.Errorf("claim %d conversations: %w", len(reqs), err)
-	}
-	// A claim has no effect outside its transaction, so claiming apart is always safe. A
-	// conversation whose own claim fails comes back unlocked: its events wait and retry.
-	out = make([]claim, len(reqs))
-	for i := range reqs {
-		one, err := s.claimAll(ctx, reqs[i:i+1])
-		if err != nil {
-			s.unclaim(ctx, reqs[i:i+1])
-			continue
-		}
-		out[i] = one[0]
-	}
-	return out, nil
-}
-
-// unclaim undoes whatever a claim whose answer was lost (the connection failed, or the
-// deadline passed, after it committed) did for reqs' runs: their rows go back to pending with
-// the attempt refunded, and their run records go (no handler ever saw them), so the run ids
-// can be claimed with again. Best effort, on a context of its own since the claim's may have
-// ended: rows it cannot reach are recovered when their lease ends.
-func (s *store) unclaim(ctx context.Context, reqs []claimReq) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	runs := make([]string, len(reqs))
-	for i, r := range reqs {
-		runs[i] = r.runID
-	}
-	batch := &pgx.Batch{}
-	batch.Queue(`UPDATE agent_outbox SET status = 'pending', run_id = NULL, lease_expires_at = NULL,
-		attempts = greatest(attempts - 1, 0) WHERE run_id = ANY($1::uuid[]) AND status = 'processing'`, runs)
-	batch.Queue(`DELETE FROM agent_runs WHERE run_id = ANY($1::uuid[]) AND finished_at IS NULL`, runs)
-	_ = s.pool.SendBatch(ctx, batch).Close()
-}
-
-// claimAll runs the claim of reqs as one transaction.
-func (s *store) claimAll(ctx context.Context, reqs []claimReq) ([]claim, error) {
-	convs := make([]string, len(reqs))
-	runs := make([]string, len(reqs))
-	for i, r := range reqs {
-		convs[i], runs[i] = r.conversationID, r.runID
-	}
-	batch := &pgx.Batch{}
-	batch.Queue(lockConversationsSQL, convs, s.lockTimeoutSetting())
-	batch.Queue(claimSQL, convs, runs, s.lease.Milliseconds(), s.worker, s.maxRows, s.maxBytes)
-	br := s.pool.SendBatch(ctx, batch)
-	byConv := make(map[string]claim, len(reqs))
-	_, err := br.Exec() // held by a concurrent claimer, or deleted: the claim takes nothing there
-	if err == nil {
-		var rows pgx.Rows
-		rows, err = br.Query()
-		if err == nil {
-			for rows.Next() {
-				var conv string
-				var c claim
-				var raw []byte
-				var wait *time.Time
-				if err = rows.Scan(&conv, &c.locked, &c.busy, &c.ids, &c.attempts, &raw, &c.oversize, &wait); err != nil {
-					break
-				}
-				// The claim has committed: a conversation whose messages cannot be decoded
-				// still comes back with its rows, to be ended, and the others are unaffected.
-				if len(raw) > 0 && json.Unmarshal(raw, &c.messages) != nil {
-					c.messages, c.unreadable = nil, true
-				}
-				if wait != nil {
-					c.waitUntil = *wait
-				}
-				byConv[conv] = c
-			}
-			rows.Close()
-			if err == nil {
-				err = rows.Err()
-			}
-		}
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return nil, err
-	}
-	out := make([]claim, len(reqs))
-	for i, r := range reqs {
-		out[i] = byConv[r.conversationID]
-	}
-	return out, nil
-}
+// unclaimRowsSQL and unclaimRunsSQL undo a claim whose answer was lost: the runs' rows go back
+// to pending with the attempt refunded, and their run records go.
+const (
+	unclaimRowsSQL = `UPDATE agent_outbox SET status = 'pending', run_id = NULL, lease_expires_at = NULL,
+		attempts = greatest(attempts - 1, 0) WHERE run_id = ANY($1::uuid[]) AND status = 'processing'`
+	unclaimRunsSQL = `DELETE FROM agent_runs WHERE run_id = ANY($1::uuid[]) AND finished_at IS NULL`
+)
 
 // renewSQL extends the lease of every row of a run, or of none: it locks the run's claimed
 // rows and updates them only when it found all of them still the run's. A recovery that took
@@ -281,37 +155,7 @@ WITH held AS (
 UPDATE agent_outbox o SET lease_expires_at = now() + $4 * interval '1 millisecond'
 WHERE o.id IN (SELECT id FROM held) AND (SELECT count(*) FROM held) = cardinality($3::bigint[])`
 
-// renew extends the lease of run's rows; false means the run lost them, all or some
-// (recovered or reclaimed), and must stop.
-func (s *store) renew(ctx context.Context, conversationID, runID string, ids []int64) (bool, error) {
-	tag, err := s.pool.Exec(ctx, renewSQL, conversationID, runID, ids, s.lease.Milliseconds())
-	if err != nil {
-		return false, fmt.Errorf("renew lease of run %s: %w", runID, err)
-	}
-	return tag.RowsAffected() == int64(len(ids)), nil
-}
-
-// Message is one message of a conversation.
-type Message struct {
-	ID        string
-	Role      string
-	Content   string
-	CreatedAt time.Time
-}
-
-// errLeaseLost is returned when a run's rows are no longer its own at commit.
-var errLeaseLost = errors.New("lease lost: the run's rows were recovered or reclaimed")
-
-// errConversationGone is returned when the conversation was deleted during the turn.
-var errConversationGone = errors.New("conversation deleted during the turn")
-
-// outcome is how a run ends in one transaction: a reply (role assistant, rows done) or a
-// visible failure (role error, rows error).
-type outcome struct {
-	role    string // "assistant" or "error"
-	content string
-	reason  string // last_error for failures
-}
+// Final commits.
 
 // genericPlansSQL makes the statements after it in the transaction run their cached generic
 // plan. Postgres otherwise keeps planning the claim and final-commit statements afresh on
@@ -324,41 +168,6 @@ type outcome struct {
 // final commit queued behind it; a shared commit is then redone run by run, so only the run
 // of the held conversation fails (and is recovered after its lease).
 const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('lock_timeout', $1, true)`
-
-// finishReq is the end of one run: a reply (role assistant, rows done) or a visible failure
-// (role error, rows error).
-type finishReq struct {
-	conversationID string
-	runID          string
-	ids            []int64
-	outcome
-	// replyID names the message that ends the run; empty: a new one is made (newReplyID).
-	replyID string
-}
-
-// status is what the run's rows become.
-func (r finishReq) status() string {
-	if r.role == "error" {
-		return "error"
-	}
-	return "done"
-}
-
-// replyIDPrefix starts the id of every message a worker writes (replies and visible errors):
-// producer.ReservedIDPrefix, which the producer refuses in client message ids. The rest of the
-// id is 128 random bits, so a reply can never collide with a client's message, nor be guessed.
-const replyIDPrefix = "baton:"
-
-// newReplyID returns a fresh id for a message of role that ends a run.
-func newReplyID(role string) string {
-	var b [16]byte
-	_, _ = rand.Read(b[:])
-	kind := "reply"
-	if role == "error" {
-		kind = "error"
-	}
-	return fmt.Sprintf("%s%s:%x", replyIDPrefix, kind, b)
-}
 
 // finishSQL ends runs in one statement, so in one transaction and one round trip:
 //   - per run, the logical message naming the rows its reply answers, for the relay's outcome
@@ -417,203 +226,23 @@ FROM unnest($2::uuid[], $1::text[], $11::int[]) AS i(run_id, conversation_id, n)
 LEFT JOIN (SELECT run_id, count(*)::int AS n FROM done GROUP BY run_id) d ON d.run_id = i.run_id
 LEFT JOIN conv c ON c.id = i.conversation_id`
 
-// finishOne commits the end of run r in one transaction: the logical message naming the
-// answered rows, the reply or error message, the run's operations attached to it, the claimed
-// rows terminal, the conversation's metadata and the run's record. It fails with errLeaseLost
-// when any claimed row is no longer this run's, and with errConversationGone when the
-// conversation was deleted; either way nothing is written. A lost connection or another
-// transient error is retried (see finishRetrying).
-func (s *store) finishOne(ctx context.Context, r finishReq) error {
-	err := s.finishRetrying(ctx, []finishReq{r})
-	if errors.Is(err, errLeaseLost) {
-		if exists, qerr := conversationExists(ctx, s.pool, r.conversationID); qerr == nil && !exists {
-			return errConversationGone
-		}
-	}
-	if err != nil && !runFailed(err) {
-		return fmt.Errorf("finish run %s: %w", r.runID, err)
-	}
-	return err
-}
+// repliesExistSQL counts the messages among ids ($1): a final commit whose outcome is unknown
+// happened if its reply exists.
+const repliesExistSQL = `SELECT count(*) FROM messages WHERE id = ANY($1)`
 
-// finishMany ends several runs (of distinct conversations) in one statement and returns each
-// one's error (see finishOne). When the shared statement fails for any reason but a transient
-// one (which it retries), the runs are finished one by one, so that a run whose commit fails
-// for a reason of its own (its lease, its conversation, a value Postgres refuses) fails alone
-// and the others still commit.
-func (s *store) finishMany(ctx context.Context, reqs []finishReq) ([]error, error) {
-	errs := make([]error, len(reqs))
-	if len(reqs) == 1 {
-		errs[0] = s.finishOne(ctx, reqs[0])
-		return errs, nil
-	}
-	err := s.finishRetrying(ctx, reqs)
-	if err == nil {
-		return errs, nil
-	}
-	if ctx.Err() != nil {
-		return nil, fmt.Errorf("finish %d runs: %w", len(reqs), err)
-	}
-	// Apart, and several at a time: a run whose conversation row another transaction holds
-	// waits out its lock_timeout without holding up the others.
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, isolateConcurrency)
-	for i, r := range reqs {
-		sem <- struct{}{}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			errs[i] = s.finishOne(ctx, r)
-		})
-	}
-	wg.Wait()
-	return errs, nil
-}
+// conversationExistsSQL tells a deleted conversation from a lost lease.
+const conversationExistsSQL = `SELECT EXISTS (SELECT 1 FROM conversations WHERE id = $1)`
 
-// isolateConcurrency is how many runs of a failed shared final commit are redone at once.
-const isolateConcurrency = 8
+// Runs that end without a reply, and recovery.
 
-// runFailed reports whether err is about one run of a final commit rather than the commit.
-func runFailed(err error) bool {
-	return errors.Is(err, errConversationGone) || errors.Is(err, errLeaseLost)
-}
+// lockRunSQL locks the rows a run claimed ($3) that are still its own, and returns their id
+// and attempts.
+const lockRunSQL = `SELECT id, attempts FROM agent_outbox
+	WHERE conversation_id = $1 AND run_id = $2 AND id = ANY($3) AND status = 'processing'
+	ORDER BY id FOR UPDATE`
 
-// finishRetrying runs finishSQL for reqs, retrying transient failures (see
-// retryUncertain). A final commit whose outcome is unknown (the connection was lost while it
-// ran, perhaps after it committed) is not simply repeated: the repeat would find the rows no
-// longer processing and report a lost lease. It first asks whether the runs' replies exist —
-// reply ids are unique per run, so they exist only if this commit happened.
-func (s *store) finishRetrying(ctx context.Context, reqs []finishReq) error {
-	replies := make([]string, len(reqs))
-	for i := range reqs {
-		if reqs[i].replyID == "" {
-			reqs[i].replyID = newReplyID(reqs[i].role)
-		}
-		replies[i] = reqs[i].replyID
-	}
-	return retryUncertain(ctx, func() error { return s.finishIn(ctx, s.pool, reqs) }, func() (bool, error) {
-		var n int
-		err := s.pool.QueryRow(ctx, `SELECT count(*) FROM messages WHERE id = ANY($1)`, replies).Scan(&n)
-		return n > 0, err
-	})
-}
-
-// conversationExists tells a deleted conversation from a lost lease, on q (a pool or a
-// transaction).
-func conversationExists(ctx context.Context, q interface {
-	QueryRow(context.Context, string, ...any) pgx.Row
-}, id string) (bool, error) {
-	var exists bool
-	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM conversations WHERE id = $1)`, id).Scan(&exists)
-	return exists, err
-}
-
-// batchSender is a pool or a transaction.
-type batchSender interface {
-	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
-}
-
-// finishIn runs finishSQL for reqs on q (the pool, or a transaction of the caller's): all
-// commit, or none. A deleted conversation fails it with errConversationGone, a run that no
-// longer owns its rows with errLeaseLost. Texts Baton makes (reasons, visible errors) are
-// sanitized; a reply's content is the handler's, checked before.
-func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) error {
-	n := len(reqs)
-	convs, runs, statuses, replies := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-	roles, contents, reasons, answers := make([]string, n), make([]string, n), make([]*string, n), make([]string, n)
-	counts := make([]int32, n)
-	var ids []int64
-	for i, r := range reqs {
-		if r.replyID == "" {
-			r.replyID = newReplyID(r.role)
-		}
-		convs[i], runs[i], statuses[i], replies[i] = r.conversationID, r.runID, r.status(), r.replyID
-		roles[i], contents[i] = r.role, r.content
-		if r.role == "error" {
-			contents[i] = sanitize(r.content, maxDetailBytes)
-		}
-		if r.reason != "" {
-			reason := sanitize(r.reason, maxDetailBytes)
-			reasons[i] = &reason
-		}
-		a, _ := json.Marshal(struct {
-			MessageID string  `json:"message_id"`
-			OutboxIDs []int64 `json:"outbox_ids"`
-		}{replies[i], r.ids})
-		answers[i] = string(a)
-		ids = append(ids, r.ids...)
-		counts[i] = int32(len(r.ids))
-	}
-	batch := &pgx.Batch{}
-	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
-	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, wire.AnswersPrefix, counts)
-	err := q.SendBatch(ctx, batch).Close()
-	var pgErr *pgconn.PgError
-	switch {
-	case errors.As(err, &pgErr) && pgErr.Code == "23503": // foreign_key_violation
-		return errConversationGone
-	case errors.As(err, &pgErr) && pgErr.Code == "BT001": // baton_fence
-		return errLeaseLost
-	}
-	return err
-}
-
-// transient reports whether err may go away when the same statement is tried again: the
-// connection could not be made, failed or was lost, or Postgres answered with a serialization
-// failure, a deadlock, a shutdown or too many connections. Context errors are not transient:
-// the caller gave up.
-func transient(err error) bool {
-	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
-		return false
-	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		switch pgErr.Code {
-		case "40001", "40P01", // serialization_failure, deadlock_detected
-			"57P01", "57P02", "57P03", // admin_shutdown, crash_shutdown, cannot_connect_now
-			"53300": // too_many_connections
-			return true
-		}
-		return strings.HasPrefix(pgErr.Code, "08") // connection_exception
-	}
-	var connectErr *pgconn.ConnectError
-	var netErr net.Error
-	return pgconn.SafeToRetry(err) || errors.As(err, &connectErr) || errors.As(err, &netErr) ||
-		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
-		errors.Is(err, pgconn.ErrConnClosed) || errors.Is(err, net.ErrClosed)
-}
-
-// retryUncertain runs do until it succeeds, fails for good, or ctx ends, backing off between
-// tries. After a transient failure the outcome of do is unknown (a connection lost at COMMIT
-// may have lost only the answer), so before trying again it asks done whether the effect is
-// already there; done's own transient failures are retried the same way.
-func retryUncertain(ctx context.Context, do func() error, done func() (bool, error)) error {
-	wait := 20 * time.Millisecond
-	var err error
-	uncertain := false
-	for {
-		if uncertain {
-			ok, cerr := done()
-			switch {
-			case cerr == nil && ok:
-				return nil
-			case cerr == nil:
-				uncertain = false
-			case !transient(cerr):
-				return cerr
-			}
-		}
-		if !uncertain {
-			if err = do(); !transient(err) {
-				return err
-			}
-			uncertain = true
-		}
-		if !sleep(ctx, wait) {
-			return err
-		}
-		wait = min(2*wait, time.Second)
-	}
-}
+// runOutcomeSQL reads how a run ended (NULL while it has not).
+const runOutcomeSQL = `SELECT outcome FROM agent_runs WHERE run_id = $1`
 
 // writtenSQL tells whether run has a write operation, whatever its status: a write row exists
 // ⇒ the effect may have happened (a tool recorded as failed may have failed after its effect,
@@ -638,249 +267,35 @@ WHERE o.id = r.id`
 const endRunSQL = `UPDATE agent_runs SET finished_at = clock_timestamp(), outcome = $2, error = $3
 	WHERE run_id = $1 AND finished_at IS NULL`
 
-// heldRow is a claimed row locked by the transaction that ends its run.
-type heldRow struct {
-	id       int64
-	attempts int
-}
-
-// lockHeld runs sql, which locks claimed rows and returns their id and attempts, in tx.
-func lockHeld(ctx context.Context, tx pgx.Tx, sql string, args ...any) ([]heldRow, error) {
-	rows, err := tx.Query(ctx, sql, args...)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (heldRow, error) {
-		var h heldRow
-		return h, row.Scan(&h.id, &h.attempts)
-	})
-}
-
-// endReq ends a run that has no reply: its handler failed, the worker stopped, the run was
-// lost, or its claim cannot be answered.
-type endReq struct {
-	conversationID, runID string
-	ids                   []int64
-	cause                 error // why: the handler's error, or one of this package's
-	stopping              bool  // the worker is shutting down
-	permanent             bool  // no attempt can succeed
-	// outcome recorded for the run when no row fails visibly: "" for the rows' fate (retry or
-	// released); recovery records "recovered".
-	outcome string
-}
-
-// ended says what endRun did.
-type ended struct {
-	failed  []int64 // rows now error, answered by a visible failure
-	retried []int64 // rows pending again
-	result  string  // "error" when any row failed visibly, else "retry" or "released"
-	reason  string  // the detail stored, redacted
-}
-
-// endRun ends a run without a reply, in one transaction that sees all of the run's rows or
-// none: it locks the claimed rows, fails with errLeaseLost unless every one is still the run's,
-// then applies endOfRun to each row (with the run's write operations and the row's own
-// attempts) and commits together the requeued rows, the visible failure of the others (the
-// error message, rows error, operations attached), the operations left running marked
-// interrupted, and the run's record.
-func (s *store) endRun(ctx context.Context, r endReq) (ended, error) {
-	var e ended
-	replyID := newReplyID("error")
-	err := retryUncertain(ctx, func() error {
-		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-			held, err := lockHeld(ctx, tx, `SELECT id, attempts FROM agent_outbox
-				WHERE conversation_id = $1 AND run_id = $2 AND id = ANY($3) AND status = 'processing'
-				ORDER BY id FOR UPDATE`, r.conversationID, r.runID, r.ids)
-			if err != nil {
-				return err
-			}
-			if len(held) != len(r.ids) {
-				exists, err := conversationExists(ctx, tx, r.conversationID)
-				if err != nil {
-					return err
-				}
-				if !exists {
-					return errConversationGone
-				}
-				return errLeaseLost
-			}
-			e, err = s.endHeld(ctx, tx, r, held, replyID)
-			return err
-		})
-	}, func() (bool, error) {
-		var outcome *string
-		err := s.pool.QueryRow(ctx, `SELECT outcome FROM agent_runs WHERE run_id = $1`, r.runID).Scan(&outcome)
-		return outcome != nil && *outcome != "recovered", err
-	})
-	if err != nil && !runFailed(err) {
-		return e, fmt.Errorf("end run %s: %w", r.runID, err)
-	}
-	return e, err
-}
-
-// endHeld is the decision and the writes of endRun and recoverRun, in tx, for rows it holds.
-func (s *store) endHeld(ctx context.Context, tx pgx.Tx, r endReq, held []heldRow, replyID string) (ended, error) {
-	e := ended{reason: detail(r.cause)}
-	var wrote bool
-	if err := tx.QueryRow(ctx, writtenSQL, r.runID).Scan(&wrote); err != nil {
-		return e, fmt.Errorf("operations of run %s: %w", r.runID, err)
-	}
-	interrupted := "interrupted: " + e.reason
-	if r.stopping {
-		interrupted = "interrupted: the worker stopped"
-	}
-	if _, err := tx.Exec(ctx, closeOperationsSQL, r.runID, sanitize(interrupted, maxDetailBytes)); err != nil {
-		return e, fmt.Errorf("close operations of run %s: %w", r.runID, err)
-	}
-	var delays []int64
-	var refunds []bool
-	var cause error // the failure the visible rows end with: the first row's
-	result := endRetry
-	for _, h := range held {
-		switch end := endOfRun(wrote, r.permanent, h.attempts, s.maxAttempts, r.stopping); end {
-		case endFail:
-			e.failed = append(e.failed, h.id)
-			if cause == nil {
-				cause = failure(wrote, r.permanent, h.attempts, r.cause)
-			}
-		default:
-			e.retried = append(e.retried, h.id)
-			var delay time.Duration
-			if end == endRetry {
-				delay = s.backoff(h.attempts)
-			}
-			delays = append(delays, delay.Milliseconds())
-			refunds = append(refunds, end == endRelease)
-			result = end
-		}
-	}
-	e.result = result.String()
-	if len(e.retried) > 0 {
-		if _, err := tx.Exec(ctx, requeueSQL, e.retried, delays, e.reason, refunds); err != nil {
-			return e, fmt.Errorf("requeue rows of run %s: %w", r.runID, err)
-		}
-	}
-	if len(e.failed) == 0 {
-		outcome := r.outcome
-		if outcome == "" {
-			outcome = e.result
-		}
-		_, err := tx.Exec(ctx, endRunSQL, r.runID, outcome, e.reason)
-		return e, err
-	}
-	e.result = "error"
-	e.reason = detail(cause)
-	err := s.finishIn(ctx, tx, []finishReq{{conversationID: r.conversationID, runID: r.runID, ids: e.failed,
-		replyID: replyID, outcome: outcome{role: "error", content: s.failureMessage(cause), reason: e.reason}}})
-	return e, err
-}
-
 // leaseExpired is true for a processing row whose lease is over: expired, or never set or not a
 // real time (rows Baton did not write), so that no such row keeps its conversation busy.
 const leaseExpired = `(lease_expires_at IS NULL OR lease_expires_at < now() OR NOT isfinite(lease_expires_at))`
 
-// expiredRun is a run holding processing rows whose lease expired. runID is "" for
-// processing rows that name no run (not written by Baton): recovery treats them as one dead
-// run of their conversation.
-type expiredRun struct{ runID, conversationID string }
+// expiredRunsSQL lists up to $1 runs holding processing rows whose lease expired; rows that
+// name no run come as run id "".
+const expiredRunsSQL = `SELECT DISTINCT coalesce(run_id::text, ''), conversation_id FROM agent_outbox
+	WHERE status = 'processing' AND ` + leaseExpired + ` LIMIT $1`
 
-// expiredRuns lists runs holding processing rows whose lease expired.
-func (s *store) expiredRuns(ctx context.Context, limit int) ([]expiredRun, error) {
-	rows, err := s.pool.Query(ctx, `SELECT DISTINCT coalesce(run_id::text, ''), conversation_id FROM agent_outbox
-		WHERE status = 'processing' AND `+leaseExpired+` LIMIT $1`, limit)
-	if err != nil {
-		return nil, fmt.Errorf("find expired leases: %w", err)
-	}
-	runs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (expiredRun, error) {
-		var e expiredRun
-		return e, r.Scan(&e.runID, &e.conversationID)
-	})
-	if err != nil {
-		return nil, fmt.Errorf("find expired leases: %w", err)
-	}
-	return runs, nil
-}
+// lockExpiredRunSQL locks, skipping any another transaction holds, the processing rows of run
+// $2 ("" for rows that name no run) in conversation $1 whose lease expired, and returns their
+// id and attempts.
+const lockExpiredRunSQL = `SELECT id, attempts FROM agent_outbox
+	WHERE conversation_id = $1 AND run_id IS NOT DISTINCT FROM nullif($2, '')::uuid AND status = 'processing'
+	  AND ` + leaseExpired + `
+	ORDER BY id FOR UPDATE SKIP LOCKED`
 
-// recovered says what recovery did with one dead run.
-type recovered struct {
-	conversationID string
-	ids            []int64 // every row the run held; none when recovery left the run alone
-	ended
-}
+// countRunSQL counts the processing rows of run $2 ("" for none) in conversation $1.
+const countRunSQL = `SELECT count(*) FROM agent_outbox
+	WHERE conversation_id = $1 AND run_id IS NOT DISTINCT FROM nullif($2, '')::uuid AND status = 'processing'`
 
-// recoverRun applies the recovery rule to a run whose lease expired, in one transaction, to
-// all of the run's rows or none:
-//   - it takes the run's rows with FOR UPDATE SKIP LOCKED, and leaves the run alone unless it
-//     got every processing row of the run, each with an expired lease: a renewal or a tool
-//     check in flight holds some of them, and the run is not dead;
-//   - then endOfRun decides for each row, as for a failed attempt (the cause is ErrWorkerLost):
-//     a write operation in any status, or the row's attempts used up ⇒ a visible failure,
-//     committed in this same transaction; otherwise the row goes back to pending, its run id
-//     cleared, claimable after the backoff. No row is left processing under the dead run.
-func (s *store) recoverRun(ctx context.Context, run expiredRun) (recovered, error) {
-	r := recovered{conversationID: run.conversationID}
-	replyID := newReplyID("error")
-	err := retryUncertain(ctx, func() error {
-		r.ids = nil
-		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-			held, err := lockHeld(ctx, tx, `SELECT id, attempts FROM agent_outbox
-				WHERE conversation_id = $1 AND run_id IS NOT DISTINCT FROM nullif($2, '')::uuid AND status = 'processing'
-				  AND `+leaseExpired+`
-				ORDER BY id FOR UPDATE SKIP LOCKED`, run.conversationID, run.runID)
-			if err != nil || len(held) == 0 {
-				return err
-			}
-			var all int
-			if err := tx.QueryRow(ctx, `SELECT count(*) FROM agent_outbox
-				WHERE conversation_id = $1 AND run_id IS NOT DISTINCT FROM nullif($2, '')::uuid AND status = 'processing'`,
-				run.conversationID, run.runID).Scan(&all); err != nil {
-				return err
-			}
-			if all != len(held) {
-				return nil // part of the run is busy or alive: not ours to take now
-			}
-			runID := run.runID
-			if runID == "" {
-				// Rows that name no run: give them one, so the rule and the fence apply.
-				runID = newRunID()
-				ids := make([]int64, len(held))
-				for i, h := range held {
-					ids[i] = h.id
-				}
-				if _, err := tx.Exec(ctx, `UPDATE agent_outbox SET run_id = $2 WHERE id = ANY($1)`, ids, runID); err != nil {
-					return err
-				}
-			}
-			e, err := s.endHeld(ctx, tx, endReq{conversationID: run.conversationID, runID: runID, cause: ErrWorkerLost,
-				outcome: "recovered"}, held, replyID)
-			if err != nil {
-				return err
-			}
-			for _, h := range held {
-				r.ids = append(r.ids, h.id)
-			}
-			r.ended = e
-			return nil
-		})
-	}, func() (bool, error) {
-		if run.runID == "" {
-			var left bool
-			err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM agent_outbox
-				WHERE conversation_id = $1 AND run_id IS NULL AND status = 'processing')`, run.conversationID).Scan(&left)
-			return !left, err
-		}
-		var outcome *string
-		err := s.pool.QueryRow(ctx, `SELECT outcome FROM agent_runs WHERE run_id = $1`, run.runID).Scan(&outcome)
-		return outcome != nil, err
-	})
-	if err != nil {
-		if runFailed(err) {
-			return recovered{conversationID: run.conversationID}, nil // the conversation was deleted: nothing to recover
-		}
-		return recovered{conversationID: run.conversationID}, fmt.Errorf("recover run %s: %w", run.runID, err)
-	}
-	return r, nil
-}
+// assignRunSQL gives rows ($1) that name no run the run id $2.
+const assignRunSQL = `UPDATE agent_outbox SET run_id = $2 WHERE id = ANY($1)`
+
+// runlessLeftSQL tells whether conversation $1 still has processing rows that name no run.
+const runlessLeftSQL = `SELECT EXISTS (SELECT 1 FROM agent_outbox
+	WHERE conversation_id = $1 AND run_id IS NULL AND status = 'processing')`
+
+// Tool operations.
 
 // recordOperationSQL records a tool call as running, only while the run still holds every row
 // it claimed ($6) with a live lease. It locks those rows FOR SHARE and inserts only when it
@@ -900,109 +315,34 @@ SELECT $1, $2, $3, $4, $5
 WHERE (SELECT count(*) FROM held) = cardinality($6::bigint[])
 RETURNING id`
 
-// recordOperation records a tool call of run as running and returns its id, or errLeaseLost
-// when the run no longer holds its turn.
-func (s *store) recordOperation(ctx context.Context, runID, conversationID string, ids []int64, tool string, effect Effect, input []byte) (int64, error) {
-	var id int64
-	err := s.pool.QueryRow(ctx, recordOperationSQL, runID, conversationID, tool, string(effect), input, ids).Scan(&id)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		return 0, fmt.Errorf("not run: %w", errLeaseLost)
-	case err != nil:
-		return 0, fmt.Errorf("record operation: %w", err)
-	}
-	return id, nil
-}
+// finishOperationSQL records the end of an operation: its status, output and error (an empty
+// error is stored as NULL).
+const finishOperationSQL = `UPDATE operations SET status = $2, output = $3, error = nullif($4, ''), finished_at = now()
+	WHERE id = $1`
 
-// finishOperation records the end of operation id: done with its output, or error.
-func (s *store) finishOperation(ctx context.Context, id int64, status string, output []byte, errText string) error {
-	_, err := s.pool.Exec(ctx, `UPDATE operations SET status = $2, output = $3, error = $4, finished_at = now() WHERE id = $1`,
-		id, status, output, nullIfEmpty(errText))
-	return err
-}
+// Reads: history, the sources' look for pending work, the states of held events' rows.
 
-func nullIfEmpty(s string) any {
-	if s == "" {
-		return nil
-	}
-	return s
-}
+// historySQL returns up to $4 messages of conversation $1 sent before the message ($3, sent at
+// $2), oldest first.
+const historySQL = `SELECT id, role, content, created_at FROM (
+		SELECT id, role, content, created_at FROM messages
+		WHERE conversation_id = $1 AND (created_at, id) < ($2, $3)
+		ORDER BY created_at DESC, id DESC LIMIT $4) h
+	ORDER BY created_at, id`
 
-// history returns up to limit messages of conversation sent before first, oldest first.
-func (s *store) history(ctx context.Context, conversationID string, first Message, limit int) ([]Message, error) {
-	rows, err := s.pool.Query(ctx, `SELECT id, role, content, created_at FROM (
-			SELECT id, role, content, created_at FROM messages
-			WHERE conversation_id = $1 AND (created_at, id) < ($2, $3)
-			ORDER BY created_at DESC, id DESC LIMIT $4) h
-		ORDER BY created_at, id`, conversationID, first.CreatedAt, first.ID, limit)
-	if err != nil {
-		return nil, fmt.Errorf("load history of %q: %w", conversationID, err)
-	}
-	msgs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[Message])
-	if err != nil {
-		return nil, fmt.Errorf("load history of %q: %w", conversationID, err)
-	}
-	return msgs, nil
-}
+// pendingConversationsSQL lists up to $2 conversations whose oldest pending row is claimable
+// (not backing off) and at least $1 milliseconds old, with when that row was written, oldest
+// first; busy conversations (a run holds rows of theirs) are left out.
+const pendingConversationsSQL = `SELECT conversation_id, min(created_at) FROM agent_outbox
+	WHERE status = 'pending' AND created_at <= now() - $1 * interval '1 millisecond'
+	  AND conversation_id NOT IN (SELECT conversation_id FROM agent_outbox WHERE status = 'processing')
+	GROUP BY conversation_id
+	HAVING (array_agg(available_at <= now() OR NOT isfinite(available_at) ORDER BY id))[1]
+	ORDER BY min(id) LIMIT $2`
 
-// pendingConversation is a conversation with claimable rows, since its oldest was written.
-type pendingConversation struct {
-	conversationID string
-	since          time.Time
-}
+// oldestPendingSQL is the age in seconds of the oldest pending row (0 when none).
+const oldestPendingSQL = `SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)
+	FROM agent_outbox WHERE status = 'pending'`
 
-// pendingConversations lists up to limit conversations whose oldest pending row is claimable
-// (not backing off) and at least minAge old, oldest first. Busy conversations (a run holds
-// rows of theirs) are left out: their claims would find nothing, and a page full of them
-// would hide every other conversation from the polling source.
-func (s *store) pendingConversations(ctx context.Context, minAge time.Duration, limit int) ([]pendingConversation, error) {
-	rows, err := s.pool.Query(ctx, `SELECT conversation_id, min(created_at) FROM agent_outbox
-		WHERE status = 'pending' AND created_at <= now() - $1 * interval '1 millisecond'
-		  AND conversation_id NOT IN (SELECT conversation_id FROM agent_outbox WHERE status = 'processing')
-		GROUP BY conversation_id
-		HAVING (array_agg(available_at <= now() OR NOT isfinite(available_at) ORDER BY id))[1]
-		ORDER BY min(id) LIMIT $2`, minAge.Milliseconds(), limit)
-	if err != nil {
-		return nil, fmt.Errorf("look for pending rows: %w", err)
-	}
-	convs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (pendingConversation, error) {
-		var p pendingConversation
-		return p, r.Scan(&p.conversationID, &p.since)
-	})
-	if err != nil {
-		return nil, fmt.Errorf("look for pending rows: %w", err)
-	}
-	return convs, nil
-}
-
-// oldestPending is the age of the oldest pending row (0 when none).
-func (s *store) oldestPending(ctx context.Context) (time.Duration, error) {
-	var age float64
-	err := s.pool.QueryRow(ctx, `SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)
-		FROM agent_outbox WHERE status = 'pending'`).Scan(&age)
-	return time.Duration(age * float64(time.Second)), err
-}
-
-// rowState is the status of one outbox row, for resolving held events.
-type rowState struct {
-	status    string // "" when the row no longer exists
-	available time.Time
-}
-
-func (s *store) states(ctx context.Context, ids []int64) (map[int64]rowState, error) {
-	rows, err := s.pool.Query(ctx, `SELECT id, status, available_at FROM agent_outbox WHERE id = ANY($1)`, ids)
-	if err != nil {
-		return nil, fmt.Errorf("outbox states: %w", err)
-	}
-	defer rows.Close()
-	out := make(map[int64]rowState, len(ids))
-	for rows.Next() {
-		var id int64
-		var st rowState
-		if err := rows.Scan(&id, &st.status, &st.available); err != nil {
-			return nil, fmt.Errorf("outbox states: %w", err)
-		}
-		out[id] = st
-	}
-	return out, rows.Err()
-}
+// statesSQL reads the status and available_at of outbox rows ($1).
+const statesSQL = `SELECT id, status, available_at FROM agent_outbox WHERE id = ANY($1)`

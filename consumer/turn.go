@@ -28,6 +28,14 @@ type Reply struct {
 // run's lease is lost. Returning an error fails the attempt (see Config.MaxAttempts).
 type Handler func(ctx context.Context, t *Turn) (Reply, error)
 
+// Message is one message of a conversation.
+type Message struct {
+	ID        string
+	Role      string
+	Content   string
+	CreatedAt time.Time
+}
+
 // Turn is one claimed turn: the exact rows the claim returned, and the user messages they carry.
 type Turn struct {
 	ConversationID string

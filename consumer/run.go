@@ -1,0 +1,163 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+	"unicode/utf8"
+)
+
+// runTurn runs the handler for a claim and commits its end: a reply, a retry, or a visible
+// failure. It returns the claimed rows that are now terminal (or gone).
+func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int64 {
+	log := w.cfg.Logger.With("conversation_id", conv, "run_id", runID)
+	started := w.clock.Now()
+	w.m.running.Inc()
+	defer w.m.running.Dec()
+	w.m.attempts.Observe(float64(c.attempts))
+
+	// The turn outlives a stopping worker by ShutdownGrace, and ends at once if the lease is lost.
+	// The lease is kept until the run's end has committed: a final commit queued behind
+	// others must not find the rows recovered meanwhile.
+	turnCtx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+	defer cancel(nil)
+	runEnded, keeper := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(keeper)
+		w.keepLease(ctx, runEnded, cancel, conv, runID, c.ids)
+	}()
+	defer func() {
+		close(runEnded)
+		<-keeper
+	}()
+
+	var reply Reply
+	var herr error
+	switch {
+	case c.oversize:
+		herr = fmt.Errorf("%w (Config.MaxTurnBytes is %d)", ErrMessageTooLarge, w.cfg.MaxTurnBytes)
+	case c.unreadable:
+		herr = errUnreadable
+	default:
+		reply, herr = w.handle(turnCtx, conv, runID, c)
+	}
+	cancel(nil)
+	end := endOfTurn(herr, context.Cause(turnCtx)) // the cause is fixed now: later cancels change nothing
+	if end == turnLost {
+		// Recovery (or whoever took the rows) decides their fate, seeing this run's operations.
+		w.m.turns.WithLabelValues(resultLeaseLost).Inc()
+		log.Warn("lease lost during the turn; its result is discarded")
+		return nil
+	}
+
+	// Commits run to completion even when the worker is stopping.
+	dbCtx, dbCancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer dbCancel()
+	var result string
+	var terminal []int64
+	var err error
+	if end == turnReplied {
+		result, terminal = "done", c.ids
+		err = w.finish(dbCtx, finishReq{conversationID: conv, runID: runID, ids: c.ids,
+			outcome: outcome{role: "assistant", content: reply.Content}})
+	} else {
+		// Not a reply: endOfRun decides per row, seeing every write operation of the run.
+		stopping := end == turnStopped
+		var e ended
+		e, err = w.store.endRun(dbCtx, endReq{conversationID: conv, runID: runID, ids: c.ids, cause: herr,
+			stopping: stopping, permanent: c.oversize || c.unreadable})
+		result, terminal = e.result, e.failed
+		log.Warn("turn failed", "error", detail(herr), "attempt", c.attempts, "stopping", stopping,
+			"result", result, "failed", e.failed, "pending", e.retried)
+	}
+	result, terminal = afterCommit(result, terminal, c.ids, err)
+	switch result {
+	case resultCancelled:
+		log.Info("conversation deleted during the turn; result discarded")
+	case resultLeaseLost:
+		log.Warn("lease lost before the commit; result discarded")
+	case resultCommitFailed:
+		log.Error("commit turn", "error", err) // rows stay processing; recovery takes them after the lease
+	}
+	w.m.turns.WithLabelValues(result).Inc()
+	w.m.turnSeconds.Observe(w.clock.Now().Sub(started).Seconds())
+	return terminal
+}
+
+// handle calls the handler with the claimed turn.
+func (w *Worker) handle(ctx context.Context, conv, runID string, c claim) (Reply, error) {
+	t := &Turn{ConversationID: conv, RunID: runID, OutboxIDs: c.ids, Messages: c.messages, Attempt: c.attempts, w: w}
+	reply, err := w.callHandler(ctx, t)
+	if err != nil {
+		return Reply{}, err
+	}
+	if !utf8.ValidString(reply.Content) || strings.ContainsRune(reply.Content, 0) {
+		return Reply{}, errors.New("handler returned a reply that is not valid UTF-8 text")
+	}
+	return reply, nil
+}
+
+// callHandler turns a handler panic into an error, so one bad turn cannot kill the worker.
+func (w *Worker) callHandler(ctx context.Context, t *Turn) (reply Reply, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("handler panicked: %v", p)
+		}
+	}()
+	return w.cfg.Handler(ctx, t)
+}
+
+// finish commits the end of a run, sharing the statement with other runs ending at the same
+// moment.
+func (w *Worker) finish(ctx context.Context, r finishReq) error {
+	runErr, err := w.finishes.do(ctx, r)
+	if err != nil {
+		return err
+	}
+	return runErr
+}
+
+// keepLease renews the run's lease every Lease/3 and marks held events in progress every
+// AckWait/3, until runEnded is closed (the run's end committed, or failed to). It cancels the
+// turn with errLeaseLost when the lease is lost, and with errStopping ShutdownGrace after ctx
+// ends; the lease is still kept while the run ends.
+func (w *Worker) keepLease(ctx context.Context, runEnded <-chan struct{}, cancel context.CancelCauseFunc, conv, runID string, ids []int64) {
+	renew, stopRenew := w.clock.NewTicker(w.cfg.Lease / 3)
+	defer stopRenew()
+	inProgress, stopInProgress := w.clock.NewTicker(w.cfg.AckWait / 3)
+	defer stopInProgress()
+	var grace <-chan time.Time
+	stopGrace := func() bool { return false }
+	defer func() { stopGrace() }()
+	stopping := ctx.Done()
+	for {
+		select {
+		case <-runEnded:
+			return
+		case <-stopping:
+			stopping = nil
+			grace, stopGrace = w.clock.NewTimer(w.cfg.ShutdownGrace)
+		case <-grace:
+			grace = nil
+			cancel(errStopping)
+		case <-inProgress:
+			for _, ev := range w.heldEvents(conv) {
+				_ = ev.d.inProgress()
+			}
+		case <-renew:
+			rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.Lease/3)
+			ok, err := w.store.renew(rctx, conv, runID, ids)
+			rcancel()
+			if err != nil {
+				w.cfg.Logger.Warn("renew lease", "run_id", runID, "error", err)
+				continue
+			}
+			if !ok {
+				cancel(errLeaseLost)
+				return
+			}
+		}
+	}
+}
