@@ -92,6 +92,13 @@
 // relay's first-start backfill set aside, DeadLetterBackfillMsgID
 // ("deadletter:backfill:<outbox id>").
 //
+// # Subscribing to outcomes
+//
+// OutcomeSubscriber reads every conversation's outcomes, or one conversation's, through a
+// durable JetStream consumer of its own, decodes each OutcomeEvent, skips duplicates by
+// message id and calls a handler, acking an outcome only after the handler returned nil. Its
+// delivery rules are on its doc comment; examples/subscriber is a program built on it.
+//
 // # Compatibility
 //
 // What this package names is a wire format other programs rely on, kept within a major
@@ -106,5 +113,7 @@
 //     meanings, the default stream names, AnswersPrefix and its JSON, the values of the
 //     constants here, and the exported names and signatures of this package.
 //
-// The encoding functions are pure: no I/O, no shared state, no regular expressions.
+// The encoding functions are pure: no I/O, no shared state, no regular expressions. Besides
+// the standard library, the package imports only the NATS client (github.com/nats-io/nats.go
+// and its jetstream package), for OutcomeSubscriber.
 package wire

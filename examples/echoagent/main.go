@@ -1,6 +1,7 @@
-// Command echoagent is a Baton worker to copy: a deterministic echo "model", one read tool
-// and an optional write tool, wired to the consumer package. Start from here and replace
-// agent.handle with your model loop.
+// Command echoagent is a Baton worker to copy: the echo agent of package
+// github.com/batonhq/baton/examples/echo (a deterministic echo "model", one read tool and an
+// optional write tool) wired to the consumer package. Start from here and replace
+// echo.Agent.Handle with your model loop.
 //
 // Run it next to the relay (configuration comes from BATON_* variables; flags override them):
 //
@@ -13,8 +14,9 @@
 // Start as many as you like: at most one turn per conversation runs at a time across all of
 // them. Without BATON_NATS_URL (or with --source polling) the worker claims straight from
 // agent_outbox and needs no relay. The pool size comes from the URL (pool_max_conns=...).
-// SIGINT or SIGTERM stops it gracefully: running turns get --shutdown-grace (default 10s) to
-// finish, then they are cancelled.
+// With BATON_METRICS_ADDR (--metrics-addr) it serves Prometheus metrics at /metrics and
+// probes at /healthz and /readyz. SIGINT or SIGTERM stops it gracefully: running turns get
+// --shutdown-grace (default 10s) to finish, then they are cancelled.
 //
 // hooks.go holds the test hooks --write-tool, --fail and --pause-at <point>, which tests use
 // to hold a turn at a point (model, after-read, during-write, after-write, before-commit) and
@@ -26,19 +28,24 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
 	"os"
 	"os/signal"
-	"strings"
 	"syscall"
 	"time"
 
+	"github.com/caarlos0/env/v11"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/batonhq/baton/consumer"
-	"github.com/batonhq/baton/internal/config"
-	"github.com/batonhq/baton/internal/opsserver"
+	"github.com/batonhq/baton/examples/echo"
 )
 
 func main() {
@@ -51,16 +58,32 @@ func main() {
 	}
 }
 
+// config is echoagent's configuration from the environment. An empty or unset variable takes
+// the default; flags override the environment.
+type config struct {
+	DatabaseURL   string `env:"BATON_DATABASE_URL"`
+	NATSURL       string `env:"BATON_NATS_URL"`
+	SubjectPrefix string `env:"BATON_SUBJECT_PREFIX" envDefault:"agent"`
+	MetricsAddr   string `env:"BATON_METRICS_ADDR"`
+	LogLevel      string `env:"BATON_LOG_LEVEL" envDefault:"info"`
+	LogFormat     string `env:"BATON_LOG_FORMAT" envDefault:"text"`
+}
+
 func run(ctx context.Context) error {
-	cfg, err := config.FromEnv()
+	cfg, err := env.ParseAs[config]()
 	if err != nil {
-		return err
+		return fmt.Errorf("read configuration from the environment: %w", err)
 	}
-	cfg.BindFlags(flag.CommandLine, config.EnvDatabaseURL, config.EnvNATSURL, config.EnvSubjectPrefix,
-		config.EnvMetricsAddr, config.EnvLogLevel, config.EnvLogFormat)
-	var a agent
-	flag.DurationVar(&a.latency, "model-latency", 0, "how long each simulated model call takes")
-	a.hooks.bindFlags(flag.CommandLine)
+	flag.Var(envFlag{&cfg.DatabaseURL}, "database-url", "PostgreSQL `url` (postgres://... or key=value) [env BATON_DATABASE_URL]")
+	flag.Var(envFlag{&cfg.NATSURL}, "nats-url", "NATS server `url`s, comma-separated [env BATON_NATS_URL]")
+	flag.Var(envFlag{&cfg.SubjectPrefix}, "subject-prefix", "subject `prefix` (default agent) [env BATON_SUBJECT_PREFIX]")
+	flag.Var(envFlag{&cfg.MetricsAddr}, "metrics-addr", "metrics listen `addr`ess host:port (default off) [env BATON_METRICS_ADDR]")
+	flag.Var(envFlag{&cfg.LogLevel}, "log-level", "log `level`: debug, info, warn, error (default info) [env BATON_LOG_LEVEL]")
+	flag.Var(envFlag{&cfg.LogFormat}, "log-format", "log `format`: text or json (default text) [env BATON_LOG_FORMAT]")
+	var agent echo.Agent
+	flag.DurationVar(&agent.Latency, "model-latency", 0, "how long each simulated model call takes")
+	var h hooks
+	h.bindFlags(flag.CommandLine)
 	source := flag.String("source", "", "`source` of turns: jetstream or polling (default jetstream when a NATS URL is set)")
 	var wc consumer.Config
 	flag.DurationVar(&wc.Debounce, "debounce", 0, "wait after a conversation's first event before claiming (default 5ms)")
@@ -74,36 +97,42 @@ func run(ctx context.Context) error {
 	if flag.NArg() > 0 {
 		return fmt.Errorf("unexpected argument %q", flag.Arg(0))
 	}
-	if err := cfg.Validate(); err != nil {
+	log, err := newLogger(cfg.LogLevel, cfg.LogFormat)
+	if err != nil {
 		return err
 	}
-	if err := cfg.Require(config.EnvDatabaseURL); err != nil {
+	if cfg.DatabaseURL == "" {
+		return errors.New("BATON_DATABASE_URL is not set: set it or pass --database-url")
+	}
+	if cfg.MetricsAddr != "" {
+		if _, _, err := net.SplitHostPort(cfg.MetricsAddr); err != nil {
+			return fmt.Errorf("BATON_METRICS_ADDR (--metrics-addr) must be host:port or :port (got %q)", cfg.MetricsAddr)
+		}
+	}
+	if err := h.check(); err != nil {
 		return err
 	}
-	if err := a.hooks.check(); err != nil {
-		return err
-	}
+	h.apply(&agent) // test hooks (hooks.go)
 	if *source == "" {
 		*source = "polling"
 		if cfg.NATSURL != "" {
 			*source = "jetstream"
 		}
 	}
-	log := cfg.Logger(os.Stderr)
 
 	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
 	if err != nil {
-		return fmt.Errorf("connect to Postgres at %s: %w", config.Redact(cfg.DatabaseURL), err)
+		return fmt.Errorf("connect to Postgres: %w", err)
 	}
 	defer pool.Close()
 	switch *source {
 	case "jetstream":
-		if err := cfg.Require(config.EnvNATSURL); err != nil {
-			return err
+		if cfg.NATSURL == "" {
+			return errors.New("BATON_NATS_URL is not set: set it or pass --nats-url")
 		}
 		nc, err := nats.Connect(cfg.NATSURL, nats.Name("echoagent"), nats.MaxReconnects(-1))
 		if err != nil {
-			return fmt.Errorf("connect to NATS at %s: %w", config.Redact(cfg.NATSURL), err)
+			return fmt.Errorf("connect to NATS: %w", err)
 		}
 		defer nc.Close()
 		wc.NATS = nc
@@ -112,13 +141,14 @@ func run(ctx context.Context) error {
 		return fmt.Errorf("--source must be jetstream or polling, not %q", *source)
 	}
 
-	reg := opsserver.NewRegistry()
-	wc.Pool, wc.Handler, wc.SubjectPrefix, wc.Logger, wc.Registerer = pool, a.handle, cfg.SubjectPrefix, log, reg
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	wc.Pool, wc.Handler, wc.SubjectPrefix, wc.Logger, wc.Registerer = pool, agent.Handle, cfg.SubjectPrefix, log, reg
 	w, err := consumer.New(wc)
 	if err != nil {
 		return err
 	}
-	log.Info("echoagent started", "source", *source, "config", cfg)
+	log.Info("echoagent started", "source", *source, "subject_prefix", cfg.SubjectPrefix, "metrics_addr", cfg.MetricsAddr)
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error {
 		if err := w.Run(gctx); err != nil {
@@ -127,7 +157,7 @@ func run(ctx context.Context) error {
 		return errStopped // stop the metrics server too
 	})
 	if cfg.MetricsAddr != "" {
-		g.Go(func() error { return opsserver.Serve(gctx, cfg.MetricsAddr, reg, nil) })
+		g.Go(func() error { return serveMetrics(gctx, cfg.MetricsAddr, reg) })
 	}
 	if err := g.Wait(); err != nil && !errors.Is(err, errStopped) {
 		return err
@@ -139,70 +169,47 @@ func run(ctx context.Context) error {
 // errStopped ends the errgroup when the worker returned cleanly.
 var errStopped = errors.New("stopped")
 
-// agent is the turn handler: a model call, a read tool, optionally a write tool, then the reply.
-type agent struct {
-	latency time.Duration
-	hooks   // test hooks (hooks.go)
+// serveMetrics serves Prometheus metrics at /metrics and the probes /healthz and /readyz
+// (both "ok" while the process runs) on addr until ctx ends.
+func serveMetrics(ctx context.Context, addr string, reg *prometheus.Registry) error {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	ok := func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) }
+	mux.HandleFunc("GET /healthz", ok)
+	mux.HandleFunc("GET /readyz", ok)
+	srv := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	stop := context.AfterFunc(ctx, func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	})
+	defer stop()
+	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("metrics server: %w", err)
+	}
+	return nil
 }
 
-func (a *agent) handle(ctx context.Context, t *consumer.Turn) (consumer.Reply, error) {
-	if err := a.failure(); err != nil {
-		return consumer.Reply{}, err
-	}
-	reply, err := a.model(ctx, t)
-	if err != nil {
-		return consumer.Reply{}, err
-	}
-	// Tools go through t.Tool, which records each call before it runs. A read tool only looks,
-	// so a turn that called it may be replayed.
-	if _, err := t.Tool(ctx, "lookup", consumer.Read, map[string]string{"conversation_id": t.ConversationID},
-		func(ctx context.Context) (any, error) {
-			history, err := t.History(ctx, 100)
-			if err != nil {
-				return nil, err
-			}
-			return map[string]int{"history_messages": len(history)}, nil
-		}); err != nil {
-		return consumer.Reply{}, err
-	}
-	if err := a.pause(ctx, "after-read", t); err != nil {
-		return consumer.Reply{}, err
-	}
-	// A write tool changes the world (an email, a payment): once it ran, a lost or failed turn
-	// ends as a visible error instead of a replay.
-	if a.writeTool {
-		if _, err := t.Tool(ctx, "notify", consumer.Write, map[string]string{"text": reply},
-			func(ctx context.Context) (any, error) {
-				if err := a.pause(ctx, "during-write", t); err != nil {
-					return nil, err // cancelled mid-call: it may or may not have been sent
-				}
-				return map[string]bool{"sent": true}, nil // a real tool would call out here
-			}); err != nil {
-			return consumer.Reply{}, err
-		}
-		if err := a.pause(ctx, "after-write", t); err != nil {
-			return consumer.Reply{}, err
-		}
-	}
-	if err := a.pause(ctx, "before-commit", t); err != nil {
-		return consumer.Reply{}, err
-	}
-	return consumer.Reply{Content: reply}, nil
-}
+// envFlag is a flag that overrides a value read from the environment. Its String is empty, so
+// -h never prints the value, which may hold a password.
+type envFlag struct{ p *string }
 
-// model stands in for an LLM call: it takes --model-latency and echoes the turn's messages.
-func (a *agent) model(ctx context.Context, t *consumer.Turn) (string, error) {
-	if err := a.pause(ctx, "model", t); err != nil {
-		return "", err
+func (f envFlag) String() string     { return "" }
+func (f envFlag) Set(s string) error { *f.p = s; return nil }
+
+// newLogger returns a logger writing to stderr at level ("debug", "info", "warn", "error")
+// in format ("text" or "json").
+func newLogger(level, format string) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("BATON_LOG_LEVEL (--log-level) must be debug, info, warn or error (got %q)", level)
 	}
-	select {
-	case <-time.After(a.latency):
-	case <-ctx.Done():
-		return "", ctx.Err()
+	opts := &slog.HandlerOptions{Level: l}
+	switch format {
+	case "text":
+		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(os.Stderr, opts)), nil
 	}
-	parts := make([]string, len(t.Messages))
-	for i, m := range t.Messages {
-		parts[i] = m.Content
-	}
-	return "echo: " + strings.Join(parts, " | "), nil
+	return nil, fmt.Errorf("BATON_LOG_FORMAT (--log-format) must be text or json (got %q)", format)
 }

@@ -5,6 +5,7 @@
 //
 //	export BATON_NATS_URL=nats://localhost:4222   # BATON_SUBJECT_PREFIX too, if not "agent"
 //	go run ./examples/subscriber                                             # all, then new ones
+//	go run ./examples/subscriber --conversation conv-42                      # one conversation's
 //	go run ./examples/subscriber --durable replay --since 2026-11-30T00:00:00Z
 //	go run ./examples/subscriber --durable from-42 --from-seq 42
 //
@@ -15,6 +16,9 @@
 // seq is the stream sequence (what --from-seq takes); answers are the outbox ids the reply
 // answers ("-" when the worker did not say, as for a message inserted by hand).
 //
+// It is built on wire.OutcomeSubscriber, which holds the delivery rules; this file only wires
+// configuration, the connection and the printing.
+//
 // # Position
 //
 // The subscriber reads through a durable consumer of its own (--durable, default
@@ -23,15 +27,16 @@
 // RFC 3339 time) and --from-seq choose where a NEW durable starts; without them it starts at
 // the beginning of the stream. An existing durable keeps its position and ignores both: to
 // start over, pick a new --durable or delete the old one (nats consumer rm AGENT_OUTCOMES <name>).
+// A durable keeps the filter it was created with: --conversation needs a durable of its own.
 //
 // # Duplicates
 //
-// JetStream delivers at least once: a message not acked within AckWait (a crash between
+// JetStream delivers at least once: a message not acked within the ack wait (a crash between
 // printing and acking, a lost ack) is delivered again. And the relay, replaying after a crash,
 // may publish an outcome again; JetStream drops the repeat by Nats-Msg-Id only within the
 // stream's duplicate window (default 2 minutes), so a replay later than that stores the outcome
 // twice. The Baton message id is the idempotency key: the same reply always has the same id.
-// This subscriber remembers the last --remember ids it printed and skips those. That covers
+// The subscriber remembers the last --remember ids it printed and skips those. That covers
 // redeliveries and replays while it runs; for effects that must happen once across restarts,
 // record the message id in your own store in the same transaction as the effect (for example a
 // table with the message id as primary key) and skip ids already there.
@@ -39,7 +44,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -54,9 +58,7 @@ import (
 	"unicode"
 
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/batonhq/baton/internal/config"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -71,204 +73,123 @@ func main() {
 }
 
 func run(ctx context.Context) error {
-	cfg, err := config.FromEnv()
-	if err != nil {
-		return err
-	}
-	cfg.BindFlags(flag.CommandLine, config.EnvNATSURL, config.EnvSubjectPrefix, config.EnvLogLevel, config.EnvLogFormat)
+	// Configuration comes from the environment; flags override it.
+	natsURL := os.Getenv("BATON_NATS_URL")
+	prefix := envOr("BATON_SUBJECT_PREFIX", wire.DefaultSubjectPrefix)
+	logLevel := envOr("BATON_LOG_LEVEL", "info")
+	logFormat := envOr("BATON_LOG_FORMAT", "text")
+	flag.Var(envFlag{&natsURL}, "nats-url", "NATS server `url`s, comma-separated [env BATON_NATS_URL]")
+	flag.Var(envFlag{&prefix}, "subject-prefix", "subject `prefix` (default agent) [env BATON_SUBJECT_PREFIX]")
+	flag.Var(envFlag{&logLevel}, "log-level", "log `level`: debug, info, warn, error (default info) [env BATON_LOG_LEVEL]")
+	flag.Var(envFlag{&logFormat}, "log-format", "log `format`: text or json (default text) [env BATON_LOG_FORMAT]")
 	durable := flag.String("durable", "outcome-printer", "durable consumer `name`: keeps this subscriber's position across restarts")
+	conversation := flag.String("conversation", "", "print only this conversation's outcomes (`id`; needs a durable of its own)")
 	since := flag.String("since", "", "a new durable starts at this RFC 3339 `time` (e.g. 2026-11-30T00:00:00Z)")
 	fromSeq := flag.Uint64("from-seq", 0, "a new durable starts at this stream `sequence`")
 	maxContent := flag.Int("max-content", 80, "print at most this many characters of content")
-	remember := flag.Int("remember", 10000, "how many message ids to remember for skipping duplicates")
+	remember := flag.Int("remember", wire.DefaultSubscriberDedupeWindow, "how many message ids to remember for skipping duplicates")
 	flag.Parse()
 	if flag.NArg() > 0 {
 		return fmt.Errorf("unexpected argument %q", flag.Arg(0))
 	}
-	if err := cfg.Validate(); err != nil {
-		return err
+	if natsURL == "" {
+		return errors.New("BATON_NATS_URL is not set: set it or pass --nats-url")
 	}
-	if err := cfg.Require(config.EnvNATSURL); err != nil {
-		return err
-	}
-	start, err := startPosition(*since, *fromSeq)
+	log, err := newLogger(logLevel, logFormat)
 	if err != nil {
 		return err
+	}
+	var start time.Time
+	switch {
+	case *since != "" && *fromSeq != 0:
+		return errors.New("--since and --from-seq exclude each other")
+	case *since != "":
+		if start, err = time.Parse(time.RFC3339, *since); err != nil {
+			return fmt.Errorf("--since: want an RFC 3339 time like 2026-11-30T00:00:00Z: %w", err)
+		}
 	}
 	if *remember < 1 || *maxContent < 1 {
 		return errors.New("--remember and --max-content must be at least 1")
 	}
-	log := cfg.Logger(os.Stderr)
 
-	nc, err := nats.Connect(cfg.NATSURL, nats.Name("outcome-subscriber"), nats.MaxReconnects(-1))
+	nc, err := nats.Connect(natsURL, nats.Name("outcome-subscriber"), nats.MaxReconnects(-1))
 	if err != nil {
-		return fmt.Errorf("connect to NATS at %s: %w", config.Redact(cfg.NATSURL), err)
+		return fmt.Errorf("connect to NATS: %w", err)
 	}
 	defer nc.Close()
-	js, err := jetstream.New(nc)
+
+	p := &printer{out: os.Stdout, maxContent: *maxContent}
+	sub, err := wire.NewOutcomeSubscriber(wire.OutcomeSubscriberConfig{
+		NATS:           nc,
+		Durable:        *durable,
+		Handler:        p.handle,
+		ConversationID: *conversation,
+		SubjectPrefix:  prefix,
+		StartTime:      start,
+		StartSeq:       *fromSeq,
+		DedupeWindow:   *remember,
+		Logger:         log,
+	})
 	if err != nil {
 		return err
 	}
-
-	stream := wire.StreamName(cfg.SubjectPrefix, "outcomes") // AGENT_OUTCOMES
-	cons, err := durableConsumer(ctx, js, log, stream, cfg.SubjectPrefix+".outcomes.>", *durable, start)
-	if err != nil || cons == nil {
-		return err // nil, nil: stopped while waiting for the stream
-	}
-
-	p := &printer{out: os.Stdout, log: log, maxContent: *maxContent, seen: newRecent(*remember)}
-	cc, err := cons.Consume(p.handle, jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
-		log.Warn("consume", "error", err) // the client retries by itself
-	}))
-	if err != nil {
-		return fmt.Errorf("consume %s: %w", *durable, err)
-	}
-	log.Info("subscribed", "stream", stream, "durable", *durable)
-	<-ctx.Done()
-	// Messages received but not yet handled are not acked: JetStream redelivers them to the
-	// next run after AckWait.
-	cc.Stop()
-	<-cc.Closed()
-	return nil
+	// Until SIGINT or SIGTERM. An outcome received but not yet printed is not acked:
+	// JetStream delivers it again to the next run.
+	return sub.Run(ctx)
 }
 
-// startPosition turns --since / --from-seq into the consumer's deliver policy.
-func startPosition(since string, fromSeq uint64) (jetstream.ConsumerConfig, error) {
-	var c jetstream.ConsumerConfig
-	switch {
-	case since != "" && fromSeq != 0:
-		return c, errors.New("--since and --from-seq exclude each other")
-	case since != "":
-		t, err := time.Parse(time.RFC3339, since)
-		if err != nil {
-			return c, fmt.Errorf("--since: want an RFC 3339 time like 2026-11-30T00:00:00Z: %w", err)
-		}
-		c.DeliverPolicy, c.OptStartTime = jetstream.DeliverByStartTimePolicy, &t
-	case fromSeq != 0:
-		c.DeliverPolicy, c.OptStartSeq = jetstream.DeliverByStartSequencePolicy, fromSeq
-	default:
-		c.DeliverPolicy = jetstream.DeliverAllPolicy
-	}
-	return c, nil
-}
-
-// durableConsumer returns the durable consumer, creating it at start when it does not exist.
-// An existing durable is used as it is, so it keeps its position. (CreateOrUpdateConsumer
-// would instead fail on an existing durable whose start differs.) The relay creates the
-// stream: until it exists, this waits.
-func durableConsumer(ctx context.Context, js jetstream.JetStream, log *slog.Logger, stream, filter, durable string,
-	start jetstream.ConsumerConfig) (jetstream.Consumer, error) {
-	for {
-		s, err := js.Stream(ctx, stream)
-		if errors.Is(err, jetstream.ErrStreamNotFound) {
-			log.Info("waiting for the outcomes stream (the relay creates it)", "stream", stream)
-			select {
-			case <-ctx.Done():
-				return nil, nil
-			case <-time.After(time.Second):
-				continue
-			}
-		}
-		if err != nil {
-			return nil, fmt.Errorf("stream %s: %w", stream, err)
-		}
-		cons, err := s.Consumer(ctx, durable)
-		if err == nil {
-			if start.DeliverPolicy != jetstream.DeliverAllPolicy {
-				log.Warn("durable exists and keeps its position: --since / --from-seq ignored", "durable", durable)
-			}
-			return cons, nil
-		}
-		if !errors.Is(err, jetstream.ErrConsumerNotFound) {
-			return nil, fmt.Errorf("consumer %s: %w", durable, err)
-		}
-		start.Durable = durable
-		start.Description = "Baton outcome subscriber"
-		start.FilterSubject = filter
-		start.AckPolicy = jetstream.AckExplicitPolicy // nothing counts as done until we ack it
-		start.AckWait = 30 * time.Second              // unacked this long: delivered again
-		cons, err = s.CreateConsumer(ctx, start)
-		if err != nil {
-			return nil, fmt.Errorf("create consumer %s: %w", durable, err)
-		}
-		return cons, nil
-	}
-}
-
-// printer handles outcome messages. Consume calls handle for one message at a time, so it
-// needs no lock.
+// printer prints outcomes, one line each.
 type printer struct {
 	out        io.Writer
-	log        *slog.Logger
 	maxContent int
-	seen       *recent
 }
 
-func (p *printer) handle(msg jetstream.Msg) {
-	var ev wire.OutcomeEvent
-	if err := json.Unmarshal(msg.Data(), &ev); err != nil || ev.MessageID == "" {
-		// Redelivering a message we cannot read would not help: stop its delivery for good.
-		p.log.Error("not an outcome event; terminating it", "subject", msg.Subject(), "error", err)
-		_ = msg.Term()
-		return
-	}
-	// The message id is the idempotency key. A redelivery, or a relay replay stored twice,
-	// has the same message id (though maybe another Nats-Msg-Id): ack it, print nothing.
-	if p.seen.contains(ev.MessageID) {
-		p.log.Debug("duplicate outcome skipped", "message_id", ev.MessageID)
-		_ = msg.Ack()
-		return
-	}
-	var seq uint64
-	if md, err := msg.Metadata(); err == nil {
-		seq = md.Sequence.Stream
-	}
+// handle prints one outcome. An error (the output is gone) has it delivered again; returning
+// nil has it acked.
+func (p *printer) handle(_ context.Context, o wire.Outcome) error {
+	ev := o.Event
 	content := strconv.Quote(truncate(ev.Content, p.maxContent))
 	if ev.ContentOmitted { // too large for NATS: read it from the messages table by id
 		content = fmt.Sprintf("(omitted: %d bytes)", ev.ContentBytes)
 	}
-	if _, err := fmt.Fprintf(p.out, "seq=%d conversation=%s role=%s message=%s answers=%s content=%s\n",
-		seq, word(ev.ConversationID), word(ev.Role), word(ev.MessageID), joinIDs(ev.OutboxIDs), content); err != nil {
-		// Not printed, so not done: have it delivered again.
-		p.log.Error("print outcome", "message_id", ev.MessageID, "error", err)
-		_ = msg.Nak()
-		return
+	_, err := fmt.Fprintf(p.out, "seq=%d conversation=%s role=%s message=%s answers=%s content=%s\n",
+		o.StreamSeq, word(ev.ConversationID), word(ev.Role), word(ev.MessageID), joinIDs(ev.OutboxIDs), content)
+	if err != nil {
+		return fmt.Errorf("print outcome: %w", err)
 	}
-	p.seen.add(ev.MessageID)
-	// Ack only after the effect (here: printing). If this ack is lost, the message comes back
-	// and p.seen skips it.
-	if err := msg.Ack(); err != nil {
-		p.log.Warn("ack", "message_id", ev.MessageID, "error", err)
+	return nil
+}
+
+// envOr returns the environment variable name, or def when it is unset or empty.
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
 	}
+	return def
 }
 
-// recent is a bounded set of the last n keys added: memory stays flat however long the
-// subscriber runs. Duplicates arrive close to the original (a redelivery after AckWait, a relay
-// replay after a crash), so remembering the last n ids is enough; choose n above the number
-// of outcomes a replay can span.
-type recent struct {
-	ring []string // the last n keys, oldest at next
-	next int
-	set  map[string]struct{}
-}
+// envFlag is a flag that overrides a value read from the environment. Its String is empty, so
+// -h never prints the value, which may hold a password.
+type envFlag struct{ p *string }
 
-func newRecent(n int) *recent {
-	return &recent{ring: make([]string, n), set: make(map[string]struct{}, n)}
-}
+func (f envFlag) String() string     { return "" }
+func (f envFlag) Set(s string) error { *f.p = s; return nil }
 
-func (r *recent) contains(key string) bool {
-	_, ok := r.set[key]
-	return ok
-}
-
-// add remembers key, forgetting the oldest key when full. key must not be present already.
-func (r *recent) add(key string) {
-	if old := r.ring[r.next]; old != "" {
-		delete(r.set, old)
+// newLogger returns a logger writing to stderr at level ("debug", "info", "warn", "error")
+// in format ("text" or "json").
+func newLogger(level, format string) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("log level must be debug, info, warn or error (got %q)", level)
 	}
-	r.ring[r.next] = key
-	r.set[key] = struct{}{}
-	r.next = (r.next + 1) % len(r.ring)
+	opts := &slog.HandlerOptions{Level: l}
+	switch format {
+	case "text":
+		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(os.Stderr, opts)), nil
+	}
+	return nil, fmt.Errorf("log format must be text or json (got %q)", format)
 }
 
 // truncate shortens s to n characters, marking the cut with "…".

@@ -326,6 +326,20 @@ func TestSubscriberPrintsEachOutcomeOnceAndReplaysFromTime(t *testing.T) {
 	b.waitHandled("outcome-printer")
 	require.Equal(t, []string{b.reply("c2", 3)}, messageIDs(t, parseLines(t, again.stop(t))))
 	require.Contains(t, again.stderr.String(), "durable exists and keeps its position")
+
+	// One conversation's outcomes, through a durable of its own: c1's two replies, the copy
+	// skipped, nothing of c2 or c3.
+	c1 := startSubscriber(t, b.ns.URL(), "--durable", "c1-only", "--conversation", "c1")
+	require.Eventually(t, func() bool {
+		c, err := b.js.Consumer(b.ctx(), "AGENT_OUTCOMES", "c1-only")
+		if err != nil {
+			return false
+		}
+		info := c.CachedInfo()
+		return info.NumPending == 0 && info.NumAckPending == 0 && info.Delivered.Stream == 7
+	}, time.Minute, 20*time.Millisecond, "durable c1-only never handled c1's outcomes")
+	c1Lines := parseLines(t, c1.stop(t))
+	require.Equal(t, []string{batch1[0], batch2[0]}, messageIDs(t, c1Lines))
 }
 
 func TestSubscriberUsage(t *testing.T) {
@@ -354,18 +368,10 @@ func TestSubscriberUsage(t *testing.T) {
 	require.Contains(t, string(out), "BATON_NATS_URL is not set: set it or pass --nats-url")
 }
 
-func TestSubscriberRecentAndFormatting(t *testing.T) {
+// The dedupe window lives in wire.OutcomeSubscriber now; wire's TestRecentForgetsTheOldest
+// checks what this test checked of it.
+func TestSubscriberFormatting(t *testing.T) {
 	t.Parallel()
-	r := newRecent(2)
-	r.add("a")
-	r.add("b")
-	require.True(t, r.contains("a"))
-	r.add("c") // forgets a, the oldest
-	require.False(t, r.contains("a"))
-	require.True(t, r.contains("b"))
-	require.True(t, r.contains("c"))
-	require.Len(t, r.set, 2)
-
 	require.Equal(t, "héllo", truncate("héllo", 5))
 	require.Equal(t, "hé…", truncate("héllo", 2))
 	require.Equal(t, "conv-1", word("conv-1"))
