@@ -12,6 +12,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/batonhq/baton/consumer"
+	"github.com/batonhq/baton/examples/echo"
 	"github.com/batonhq/baton/internal/config"
 	"github.com/batonhq/baton/internal/demo"
 	"github.com/batonhq/baton/internal/opsserver"
@@ -231,7 +233,13 @@ func runDemoOn(ctx context.Context, d *demo.Demo, cfg config.Config, modelLatenc
 	if err != nil {
 		return err
 	}
-	agent := &demo.Echo{Latency: modelLatency, Fail: d.TurnFailure}
+	// The echo agent of examples/echoagent; --fail-every fails a turn once its lookup ran.
+	agent := &echo.Agent{Latency: modelLatency, Hook: func(_ context.Context, point string, t *consumer.Turn) error {
+		if point != echo.PointAfterRead {
+			return nil
+		}
+		return d.TurnFailure(t.ConversationID)
+	}}
 	ws, err := newDemoWorkers(startCtx, &cfg, pcfg, agent.Handle, workerLog, reg)
 	defer ws.close() // after the errgroup below: the workers have stopped
 	if err != nil {
