@@ -6,7 +6,8 @@
 // and move it into the default suite when its fix lands. Fixed since (not re-run here):
 // BackfillOfAnInfiniteRowLoopsForever, FirstStartInsertHasNoDeadline (setup_deadline_test.go),
 // StreamChangedToNoAckLoopsInsteadOfFailing (setup_deadline_test.go),
-// InFlightIsBoundedByCountNotBytes (memory_test.go), BackfillPublishesUndecodableTimestamps,
+// InFlightIsBoundedByCountNotBytes (memory_test.go),
+// HugeLogicalMessageExceedsRelayMemoryLimit (cut_test.go), BackfillPublishesUndecodableTimestamps,
 // SlowNATSLivelocksOnALargeTransaction, FatalErrorDoesNotLingerForMetrics.
 
 package relay_test
@@ -30,38 +31,6 @@ import (
 
 // Adversarial tests (helper-c review of 83c98a2). Each one is expected to FAIL on the code it
 // was written against; the comment says why.
-
-// Any role may call pg_logical_emit_message, and pgoutput with messages 'true' sends every
-// message whatever its prefix; a message may be up to ~1 GB. The relay receives each
-// replication message whole (pgproto3 buffers the full CopyData, up to 1 GiB) before it can
-// look at the prefix, so one SELECT of a 560 MiB message drives the relay past the 512Mi memory
-// limit of deploy/kubernetes/relay-deployment.yaml: it is OOM-killed, restarts at the same
-// LSN, receives the same message and is killed again, for ever, while the slot retains WAL.
-// (An INSERT into messages with a 560 MiB content does the same: pgoutput sends inserted
-// values in full.) The test runs the real binary and reads its peak RSS (VmHWM).
-func TestAdversaryHugeLogicalMessageExceedsRelayMemoryLimit(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	ctx := ctxT(t, 4*time.Minute)
-	createConversations(t, b.db.Pool, "c")
-	p := b.startProcess(t)
-	select {
-	case <-p.streaming:
-	case <-time.After(time.Minute):
-		t.Fatal("relay never streamed")
-	}
-	const limit = 512 << 20 // relay-deployment.yaml: limits.memory 512Mi
-	_, err := b.db.Pool.Exec(ctx, `SELECT pg_logical_emit_message(false, 'not.baton', repeat('x', 560*1024*1024))`)
-	require.NoError(t, err)
-	id, err := send(ctx, b.db.Pool, "c", "after")
-	require.NoError(t, err)
-	msgs := b.waitStream(t, "AGENT_TURNS", 1, 2*time.Minute)
-	assertExactlyOnceInOrder(t, msgs, map[int64]string{id: "c"})
-
-	hwm := peakRSS(t, p.cmd.Process.Pid)
-	require.NotZero(t, hwm)
-	require.Less(t, hwm, int64(limit), "peak RSS %d MiB over the relay's memory limit of 512 MiB: OOM-killed in Kubernetes on every restart", hwm>>20)
-}
 
 // JetStream's Nats-Msg-Id dedup covers a replay only within the duplicate window. A relay
 // whose host pauses (SIGSTOP here: a VM pause, a partition) with a publish on the wire loses

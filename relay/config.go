@@ -55,6 +55,12 @@ type Config struct {
 	// MaxInFlight bounds the events published and not yet acknowledged plus those queued behind
 	// an earlier event of the same conversation. Default 8192.
 	MaxInFlight int
+	// MaxChangeBytes bounds the replication messages the relay receives whole. pgoutput sends
+	// every inserted value and every logical message in full, and any role may emit a logical
+	// message of up to 1 GB: a larger message is cut as it arrives (its first 65 KiB kept),
+	// and its change, when it is the relay's, set aside in the dead-letter stream. At least
+	// 65 KiB. Default 64 MiB.
+	MaxChangeBytes int
 	// MaxInFlightBytes bounds the bytes of those same events (bodies, plus a small allowance
 	// for headers): with MaxInFlight it bounds the relay's memory when NATS is slow or away,
 	// since an outcome may be as large as the server's max payload. An event larger than the
@@ -124,6 +130,9 @@ type StreamSettings struct {
 // DefaultDeadLetterMaxAge is the default of Config.DeadLetterMaxAge.
 const DefaultDeadLetterMaxAge = 30 * 24 * time.Hour
 
+// DefaultMaxChangeBytes is the default of Config.MaxChangeBytes.
+const DefaultMaxChangeBytes = 64 << 20
+
 // DefaultMaxInFlightBytes is the default of Config.MaxInFlightBytes.
 const DefaultMaxInFlightBytes = 64 << 20
 
@@ -186,6 +195,12 @@ func (c *Config) fill() error {
 	defDur(&c.DrainTimeout, 10*time.Second)
 	if c.MaxInFlight <= 0 {
 		c.MaxInFlight = 8192
+	}
+	if c.MaxChangeBytes == 0 {
+		c.MaxChangeBytes = DefaultMaxChangeBytes
+	}
+	if c.MaxChangeBytes < cutKeep {
+		return fmt.Errorf("%w: MaxChangeBytes %d is below the minimum of %d", ErrConfig, c.MaxChangeBytes, cutKeep)
 	}
 	if c.MaxInFlightBytes <= 0 {
 		c.MaxInFlightBytes = DefaultMaxInFlightBytes

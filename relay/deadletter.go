@@ -23,10 +23,16 @@ func deadLetterMsg(prefix, kind, table, reason string, lsn pglogrepl.LSN, nth in
 // wire.MaxDeadLetterRaw bytes, and further until the record fits; under an absurdly small max
 // payload the reason is cut too.
 func deadLetterMsgWithID(prefix, msgID, kind, table, reason string, lsn pglogrepl.LSN, raw []byte, maxPayload int) *nats.Msg {
+	return deadLetterMsgSized(prefix, msgID, kind, table, reason, lsn, raw, len(raw), maxPayload)
+}
+
+// deadLetterMsgSized is deadLetterMsgWithID for a change of rawBytes bytes of which raw is the
+// start.
+func deadLetterMsgSized(prefix, msgID, kind, table, reason string, lsn pglogrepl.LSN, raw []byte, rawBytes, maxPayload int) *nats.Msg {
 	if len(reason) > maxDeadLetterReason {
 		reason = reason[:maxDeadLetterReason] + "…"
 	}
-	rec := wire.DeadLetter{LSN: lsn.String(), Kind: kind, Table: table, Reason: reason, RawBytes: len(raw)}
+	rec := wire.DeadLetter{LSN: lsn.String(), Kind: kind, Table: table, Reason: reason, RawBytes: rawBytes}
 	rec.Raw = raw[:min(len(raw), wire.MaxDeadLetterRaw)]
 	m := nats.NewMsg(wire.DeadLetterSubject(prefix, kind))
 	m.Header.Set(nats.MsgIdHdr, msgID)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand/v2"
 	"strings"
@@ -273,6 +274,11 @@ func pinSession(params map[string]string) {
 func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Config) error {
 	cfg := &r.cfg
 	log := cfg.Logger
+	var frames *cutFrames
+	replCfg.BuildFrontend = func(r io.Reader, w io.Writer) *pgproto3.Frontend {
+		frames = newCutFrames(r, cfg.MaxChangeBytes)
+		return pgproto3.NewFrontend(frames, w)
+	}
 	repl, err := pgconn.ConnectConfig(ctx, replCfg)
 	if err != nil {
 		r.m.errors.WithLabelValues("postgres").Inc()
@@ -343,7 +349,7 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 	r.active.Store(true)
 	r.healthy.Store(true)
 	r.m.active.Set(1)
-	return r.replicate(ctx, repl)
+	return r.replicate(ctx, repl, frames)
 }
 
 // createAndBackfill creates the slot and publishes, from the snapshot the slot exported, every
@@ -514,7 +520,7 @@ func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''
 
 // replicate runs the reader (which owns the replication connection) and the pipeline until
 // one fails or ctx ends.
-func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn) error {
+func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutFrames) error {
 	cfg := &r.cfg
 	p := newPipeline(cfg.NATS, cfg, r.m, &r.confirmed)
 	g, gctx := errgroup.WithContext(context.WithoutCancel(ctx))
@@ -527,7 +533,7 @@ func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn) error {
 		}
 		return err
 	})
-	g.Go(func() error { return r.read(ctx, gctx, repl, p) })
+	g.Go(func() error { return r.read(ctx, gctx, repl, frames, p) })
 	return g.Wait()
 }
 
@@ -538,7 +544,7 @@ func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn) error {
 // It owns the replication connection: only this goroutine reads from or writes to it. Reads
 // wait with a network deadline at the next status time (set once per period, not per message),
 // and ending ctx or gctx moves that deadline to now.
-func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline) error {
+func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, frames *cutFrames, p *pipeline) error {
 	cfg := &r.cfg
 	dec := newDecoder(cfg.Schema, cfg.SubjectPrefix, int(r.maxPayload))
 	netConn := repl.Conn()
@@ -547,6 +553,7 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 	defer context.AfterFunc(gctx, wake)()
 
 	live := liveness{bound: silenceBound(cfg.StatusInterval)}
+	var copies uint64 // CopyData messages received, as frames counts them
 	sendStatus := func() error {
 		lsn := pglogrepl.LSN(r.confirmed.Load())
 		// Write, flush and apply all set explicitly: pglogrepl copies the write position into
@@ -647,6 +654,7 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 		switch msg := raw.(type) {
 		case *pgproto3.CopyData:
 			live.heard()
+			copies++
 			if len(msg.Data) == 0 {
 				continue
 			}
@@ -672,7 +680,12 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 				if err != nil {
 					return fmt.Errorf("parse xlogdata: %w", err)
 				}
-				it, err := dec.decodeAt(xld.WALStart, xld.WALData)
+				var it item
+				if size, cut := frames.takeCut(copies, msg.Data); cut {
+					it = dec.decodeCutAt(xld.WALStart, xld.WALData, size, cfg.MaxChangeBytes)
+				} else {
+					it, err = dec.decodeAt(xld.WALStart, xld.WALData)
+				}
 				if err != nil {
 					r.m.errors.WithLabelValues("decode").Inc()
 					return fmt.Errorf("decode at %s: %w", xld.WALStart, err)

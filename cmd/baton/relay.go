@@ -28,6 +28,9 @@ acknowledgements (--drain-timeout), confirms and exits 0. After an error no retr
 ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits at once.`, stderr)
 	dupWindow := fs.Duration("dup-window", 2*time.Minute, "JetStream duplicate window for the streams it creates")
 	maxInFlight := fs.Int("max-in-flight", 8192, "events published or queued without a PubAck, at most")
+	maxChangeBytes := fs.Int("max-change-bytes", relay.DefaultMaxChangeBytes,
+		"replication messages larger than this are cut as they arrive and their change set aside\n"+
+			"in the dead-letter stream (bounds the relay's memory: any role may emit a 1 GB logical message)")
 	maxInFlightBytes := fs.Int("max-in-flight-bytes", relay.DefaultMaxInFlightBytes,
 		"bytes of those events, at most (bounds the relay's memory while NATS is slow or away)")
 	drain := fs.Duration("drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for PubAcks")
@@ -62,6 +65,7 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		Streams:          relay.StreamSettings{Duplicates: *dupWindow},
 		MaxInFlight:      *maxInFlight,
 		MaxInFlightBytes: *maxInFlightBytes,
+		MaxChangeBytes:   *maxChangeBytes,
 		DrainTimeout:     *drain,
 		RecreateSlot:     *recreateSlot,
 		StaleLockAfter:   *staleLock,

@@ -1,0 +1,221 @@
+package relay
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"sync"
+
+	"github.com/jackc/pglogrepl"
+
+	"github.com/batonhq/baton/wire"
+)
+
+// cutFrames sits between the replication connection's socket and pgx's protocol reader, and
+// cuts every CopyData message larger than max to its first cutKeep bytes, reading and dropping
+// the rest as it arrives.
+//
+// pgx receives each protocol message whole (up to 1 GiB) before anything can look at it, and a
+// change can be that large: pg_logical_emit_message is executable by every role by default,
+// and pgoutput sends every logical message, whatever its prefix, and every inserted value in
+// full. Received whole, one such change costs the relay its memory limit, and it meets the same
+// change again after every restart. Cut, it costs max at most: the decoder meets a truncated
+// change, and cut tells it the change's real size (see cutChange).
+//
+// Messages are otherwise passed through unchanged, in bulk: Read copies as many whole or
+// partial messages as fit, so the reader above still fills its buffer with one call.
+type cutFrames struct {
+	r   io.Reader
+	max int // the largest CopyData body passed whole
+
+	buf        []byte // read from r
+	start, end int    // buf[start:end] is read and not yet handled
+	rerr       error  // r's error, returned (once) when buf is drained: a read deadline passing is not the end
+
+	pass    int    // bytes of the current message still to pass through
+	skip    int    // bytes of a cut message still to drop
+	kept    []byte // a cut message's header and first bytes, to pass before going on
+	keep    int    // body bytes of the message being cut still to gather into kept
+	cutSize int    // the real body size of the message being cut
+	seq     uint64 // CopyData messages seen
+
+	mu  sync.Mutex
+	cut map[uint64]int // sequence number (1-based) of a cut CopyData → its real body size
+}
+
+// cutKeep is how much of a cut message is kept: enough for the XLogData header, the change's
+// header (a logical message's prefix, an insert's relation) and a dead-letter record's raw
+// bytes (wire.MaxDeadLetterRaw).
+const cutKeep = wire.MaxDeadLetterRaw + 1024
+
+// copyDataHeader is a CopyData message's header: 'd' and a length that counts itself.
+const copyDataHeader = 5
+
+// newCutFrames returns a cutFrames reading r, cutting CopyData bodies over max bytes (at least
+// cutKeep).
+func newCutFrames(r io.Reader, max int) *cutFrames {
+	return &cutFrames{r: r, max: max, buf: make([]byte, 64<<10), cut: map[uint64]int{}}
+}
+
+func (f *cutFrames) Read(p []byte) (int, error) {
+	n := 0
+	for n < len(p) {
+		switch {
+		case len(f.kept) > 0 && f.keep == 0:
+			c := copy(p[n:], f.kept)
+			f.kept = f.kept[c:]
+			n += c
+			continue
+		case f.start == f.end:
+			if n > 0 {
+				return n, nil // never block with bytes to give
+			}
+			if err := f.fill(); err != nil {
+				return 0, err
+			}
+			continue
+		case f.keep > 0: // before skip: the kept bytes come first
+			d := min(f.keep, f.end-f.start)
+			f.kept = append(f.kept, f.buf[f.start:f.start+d]...)
+			f.start += d
+			if f.keep -= d; f.keep == 0 {
+				f.noteCut()
+			}
+			continue
+		case f.skip > 0:
+			d := min(f.skip, f.end-f.start)
+			f.start += d
+			f.skip -= d
+			continue
+		case f.pass > 0:
+			c := copy(p[n:], f.buf[f.start:f.start+min(f.pass, f.end-f.start)])
+			f.start += c
+			f.pass -= c
+			n += c
+			continue
+		}
+		// At a message boundary.
+		if f.end-f.start < copyDataHeader {
+			if n > 0 {
+				return n, nil
+			}
+			if err := f.fill(); err != nil {
+				return 0, err
+			}
+			continue
+		}
+		h := f.buf[f.start : f.start+copyDataHeader]
+		size := int(int32(binary.BigEndian.Uint32(h[1:])))
+		if h[0] == 'd' {
+			f.seq++
+		}
+		if h[0] != 'd' || size-4 <= f.max {
+			f.pass = 1 + max(size, 4) // a length below 4 is pgx's to refuse
+			continue
+		}
+		// Cut: a header for cutKeep body bytes, then those bytes, then drop the rest.
+		body := size - 4
+		f.kept = append(f.kept[:0], 'd', 0, 0, 0, 0)
+		binary.BigEndian.PutUint32(f.kept[1:], uint32(4+cutKeep))
+		f.keep, f.skip = cutKeep, body-cutKeep
+		f.start += copyDataHeader
+		f.cutSize = body
+	}
+	return n, nil
+}
+
+// fill reads more from r into buf, moving what is unhandled to its front. It returns the
+// error of a read that brought nothing; the error of one that brought bytes is returned by
+// the next fill, as io.Reader allows both at once.
+func (f *cutFrames) fill() error {
+	if err := f.rerr; err != nil {
+		f.rerr = nil
+		return err
+	}
+	if f.start > 0 {
+		f.end = copy(f.buf, f.buf[f.start:f.end])
+		f.start = 0
+	}
+	m, err := f.r.Read(f.buf[f.end:])
+	f.end += m
+	if m == 0 {
+		return err
+	}
+	f.rerr = err
+	return nil
+}
+
+// noteCut records the real size of the message just cut, by its sequence number.
+func (f *cutFrames) noteCut() {
+	f.mu.Lock()
+	f.cut[f.seq] = f.cutSize
+	f.mu.Unlock()
+}
+
+// takeCut returns, if the seq-th CopyData message (1-based) was cut, its real body size, and
+// forgets it. Only a message of cutKeep bytes can have been cut.
+func (f *cutFrames) takeCut(seq uint64, data []byte) (int, bool) {
+	if len(data) != cutKeep {
+		return 0, false
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	size, ok := f.cut[seq]
+	delete(f.cut, seq)
+	return size, ok
+}
+
+// decodeCutAt is decodeAt for a change that cutFrames cut: walData is the start of a pgoutput
+// message of size bytes. A cut insert into a table the relay publishes, or a cut answers
+// message, becomes its dead-letter record; any other cut change (a logical message of another
+// prefix, an update) is not the relay's and is skipped.
+func (d *decoder) decodeCutAt(at pglogrepl.LSN, walData []byte, size, limit int) item {
+	if at != d.at {
+		d.at, d.nth = at, -1
+	}
+	if len(walData) == 0 {
+		return item{kind: itemIgnored}
+	}
+	if walData[0] == 'I' || walData[0] == 'M' {
+		d.nth++ // as decodeAt counts
+	}
+	reason := fmt.Sprintf("change of %d bytes is larger than the relay's limit of %d bytes (MaxChangeBytes)", size, limit)
+	switch walData[0] {
+	case 'I':
+		if len(walData) < 5 {
+			return item{kind: itemIgnored}
+		}
+		rel, ok := d.relations[binary.BigEndian.Uint32(walData[1:])]
+		if !ok || rel.kind == "" {
+			return item{kind: itemIgnored}
+		}
+		kind := wire.DeadLetterTurn
+		if rel.kind == tableMessages {
+			kind = wire.DeadLetterOutcome
+		}
+		return d.deadLetterSized(kind, rel.msg.Namespace+"."+rel.msg.RelationName, reason, walData, size)
+	case 'M':
+		// Flags (1: transactional), the message's LSN, then its NUL-terminated prefix.
+		const head = 1 + 1 + 8
+		if len(walData) < head || walData[1]&1 == 0 {
+			return item{}
+		}
+		prefix, _, found := bytes.Cut(walData[head:], []byte{0})
+		if !found || string(prefix) != wire.AnswersPrefix {
+			return item{}
+		}
+		return d.deadLetterSized(wire.DeadLetterAnswers, "", reason, walData, size)
+	}
+	return item{kind: itemIgnored}
+}
+
+// deadLetterSized is deadLetter for a change of size bytes of which raw is the start.
+func (d *decoder) deadLetterSized(kind, table, reason string, raw []byte, size int) item {
+	return item{
+		kind:       itemEvent,
+		msg:        deadLetterMsgSized(d.prefix, wire.DeadLetterNthMsgID(d.at.String(), d.nth), kind, table, reason, d.at, raw, size, d.maxPayload),
+		deadLetter: kind,
+		reason:     reason,
+	}
+}

@@ -1,0 +1,171 @@
+package relay
+
+import (
+	"bytes"
+	"encoding/binary"
+	"io"
+	"os"
+	"testing"
+	"testing/iotest"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/wire"
+)
+
+// frame returns a backend message of type t with body.
+func frame(t byte, body []byte) []byte {
+	b := []byte{t, 0, 0, 0, 0}
+	binary.BigEndian.PutUint32(b[1:], uint32(4+len(body)))
+	return append(b, body...)
+}
+
+// xlog returns the body of an XLogData CopyData at WALStart at carrying walData.
+func xlog(at uint64, walData []byte) []byte {
+	b := make([]byte, 25, 25+len(walData))
+	b[0] = pglogrepl.XLogDataByteID
+	binary.BigEndian.PutUint64(b[1:], at)
+	binary.BigEndian.PutUint64(b[9:], at+1)
+	return append(b, walData...)
+}
+
+func TestCutFramesPassesSmallMessagesAndCutsLargeOnes(t *testing.T) {
+	const limit = cutKeep + 100
+	big := bytes.Repeat([]byte("x"), limit+1) // one byte over
+	huge := bytes.Repeat([]byte("y"), 3*limit)
+	exact := bytes.Repeat([]byte("z"), limit-25)
+	var in bytes.Buffer
+	in.Write(frame('d', xlog(10, []byte("small"))))
+	in.Write(frame('S', append(append([]byte("x\x00"), bytes.Repeat([]byte("r"), 2*limit)...), 0))) // not CopyData: never cut
+	in.Write(frame('d', xlog(20, big[25:])))
+	in.Write(frame('d', xlog(30, exact))) // body exactly limit: passed
+	in.Write(frame('d', xlog(40, huge)))
+	in.Write(frame('Z', []byte("I")))
+
+	readers := map[string]func(io.Reader) io.Reader{
+		"bulk":     func(r io.Reader) io.Reader { return r },
+		"one byte": iotest.OneByteReader,
+		"half":     iotest.HalfReader,
+	}
+	for name, wrap := range readers {
+		t.Run(name, func(t *testing.T) {
+			f := newCutFrames(wrap(bytes.NewReader(in.Bytes())), limit)
+			fe := pgproto3.NewFrontend(f, io.Discard)
+			var got []string
+			var seq uint64
+			for {
+				msg, err := fe.Receive()
+				if err == io.ErrUnexpectedEOF || err == io.EOF {
+					break
+				}
+				require.NoError(t, err)
+				switch m := msg.(type) {
+				case *pgproto3.CopyData:
+					seq++
+					size, cut := f.takeCut(seq, m.Data)
+					at := binary.BigEndian.Uint64(m.Data[1:])
+					if cut {
+						require.Len(t, m.Data, cutKeep)
+						got = append(got, "cut", string(rune('0'+at/10)), string(rune('0'+size/limit)))
+						require.Equal(t, map[uint64]byte{20: 'x', 40: 'y'}[at], m.Data[25], "the kept bytes are the change's first (at %d)", at)
+					} else {
+						got = append(got, "whole", string(rune('0'+at/10)))
+					}
+				case *pgproto3.ParameterStatus:
+					require.Len(t, m.Value, 2*limit)
+					got = append(got, "row")
+				case *pgproto3.ReadyForQuery:
+					got = append(got, "ready")
+				}
+			}
+			require.Equal(t, []string{"whole", "1", "row", "cut", "2", "1", "whole", "3", "cut", "4", "3", "ready"}, got)
+		})
+	}
+}
+
+func TestCutFramesReturnsTheReadersError(t *testing.T) {
+	f := newCutFrames(iotest.ErrReader(io.ErrClosedPipe), cutKeep)
+	_, err := f.Read(make([]byte, 10))
+	require.ErrorIs(t, err, io.ErrClosedPipe)
+	// A message cut short by the error: what arrived is passed, then the error.
+	f = newCutFrames(io.MultiReader(bytes.NewReader(frame('d', []byte("abc"))[:6]), iotest.ErrReader(io.ErrClosedPipe)), cutKeep)
+	b, err := io.ReadAll(f)
+	require.ErrorIs(t, err, io.ErrClosedPipe)
+	require.Equal(t, frame('d', []byte("abc"))[:6], b)
+}
+
+func TestDecodeCutAt(t *testing.T) {
+	d := newDecoder("public", "agent", 1<<20)
+	d.relations[7] = &relation{msg: &pglogrepl.RelationMessage{Namespace: "public", RelationName: "messages"}, kind: tableMessages}
+	d.relations[8] = &relation{msg: &pglogrepl.RelationMessage{Namespace: "public", RelationName: "other"}}
+	insert := func(rel uint32) []byte {
+		b := []byte{'I', 0, 0, 0, 0, 'N', 0, 5}
+		binary.BigEndian.PutUint32(b[1:], rel)
+		return b
+	}
+	message := func(flags byte, prefix string) []byte {
+		b := append([]byte{'M', flags}, make([]byte, 8)...)
+		return append(append(b, prefix...), 0, 'x')
+	}
+	cases := []struct {
+		name    string
+		walData []byte
+		kind    string // dead-letter kind, "" for none
+	}{
+		{"insert into messages", insert(7), wire.DeadLetterOutcome},
+		{"insert elsewhere", insert(8), ""},
+		{"insert into an unknown relation", insert(9), ""},
+		{"answers message", message(1, wire.AnswersPrefix), wire.DeadLetterAnswers},
+		{"non-transactional answers message", message(0, wire.AnswersPrefix), ""},
+		{"another prefix", message(1, "not.baton"), ""},
+		{"prefix cut before its end", []byte{'M', 1, 0, 0, 0, 0, 0, 0, 0, 0, 'b', 'a'}, ""},
+		{"update", []byte{'U', 0, 0, 0, 7}, ""},
+		{"empty", nil, ""},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			it := d.decodeCutAt(0x100, c.walData, 99<<20, 64<<20)
+			require.Equal(t, c.kind, it.deadLetter)
+			if c.kind == "" {
+				require.NotEqual(t, itemEvent, it.kind)
+				return
+			}
+			require.Equal(t, itemEvent, it.kind)
+			require.Contains(t, it.reason, "103809024 bytes") // the real size
+			require.Contains(t, string(it.msg.Data), `"raw_bytes":103809024`)
+		})
+	}
+}
+
+// A read deadline passing (pgconn's way to wake the reader) is an error of one read, not the
+// end of the stream.
+func TestCutFramesReadsOnAfterATimeout(t *testing.T) {
+	r := &timeoutOnce{data: frame('d', xlog(10, []byte("after")))}
+	f := newCutFrames(r, cutKeep)
+	_, err := f.Read(make([]byte, 64))
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	b, err := io.ReadAll(f)
+	require.NoError(t, err)
+	require.Equal(t, r.data, b)
+}
+
+// timeoutOnce fails its first read with a deadline error, then reads data.
+type timeoutOnce struct {
+	data []byte
+	read bool
+	err  bool
+}
+
+func (r *timeoutOnce) Read(p []byte) (int, error) {
+	if !r.err {
+		r.err = true
+		return 0, os.ErrDeadlineExceeded
+	}
+	if r.read {
+		return 0, io.EOF
+	}
+	r.read = true
+	return copy(p, r.data), nil
+}
