@@ -73,6 +73,8 @@ CREATE INDEX operations_message ON operations (message_id) WHERE message_id IS N
 
 -- What the relay streams: every new outbox row (a turn to run) and every reply
 -- (an outcome for subscribers). User messages stay out: their outbox row is the trigger.
-CREATE PUBLICATION baton
+-- Its name (BATON_PUBLICATION, default baton) is written in psql's variable syntax:
+-- `baton migrate` substitutes it, and so does psql -v publication=baton -f 0001_init.sql.
+CREATE PUBLICATION :"publication"
     FOR TABLE agent_outbox, messages WHERE (role <> 'user')
     WITH (publish = 'insert');

@@ -5,6 +5,7 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"sort"
 	"strconv"
@@ -27,7 +28,71 @@ const Table = "baton_schema_migrations"
 type Migration struct {
 	Version int
 	Name    string
-	SQL     string
+	// SQL is the file's text, with the publication's name written as psql's variable
+	// :"publication"; Options.Render substitutes it.
+	SQL string
+}
+
+// Options says where the schema lives. The zero value is Baton's default: schema public,
+// publication baton.
+type Options struct {
+	// Schema holds every Baton table and function (BATON_SCHEMA): created when missing, and
+	// first on the search_path of each migration's transaction. Default "public".
+	Schema string
+	// Publication is the name of the publication the relay streams (BATON_PUBLICATION).
+	// Default "baton".
+	Publication string
+}
+
+func (o Options) withDefaults() Options {
+	if o.Schema == "" {
+		o.Schema = "public"
+	}
+	if o.Publication == "" {
+		o.Publication = "baton"
+	}
+	return o
+}
+
+// Render returns the SQL of m with the publication's name substituted.
+func (o Options) Render(m Migration) string {
+	o = o.withDefaults()
+	return strings.ReplaceAll(m.SQL, `:"publication"`, pgx.Identifier{o.Publication}.Sanitize())
+}
+
+// table returns the migrations table's name, qualified with the schema.
+func (o Options) table() string {
+	return pgx.Identifier{o.withDefaults().Schema, Table}.Sanitize()
+}
+
+// Print writes every migration as one script for tools that apply SQL themselves: each
+// version in its own transaction, with the statements Up runs around it (creating the schema,
+// setting the search_path, recording the version), so that Up later finds them applied.
+func Print(w io.Writer, o Options) error {
+	o = o.withDefaults()
+	all, err := All()
+	if err != nil {
+		return err
+	}
+	schema := pgx.Identifier{o.Schema}.Sanitize()
+	fmt.Fprintf(w, "-- Baton schema, versions 1 to %d, in schema %s, publication %s.\n", Latest(), o.Schema, o.Publication)
+	fmt.Fprintf(w, "-- Each version is one transaction; a version already recorded in %s is skipped by baton migrate, not by this script.\n", Table)
+	for _, m := range all {
+		_, err := fmt.Fprintf(w, "\n-- Version %d: %s\nBEGIN;\nSELECT pg_advisory_xact_lock(%d);\nCREATE SCHEMA IF NOT EXISTS %s;\nSET LOCAL search_path TO %s;\n%s;\n%s\nINSERT INTO %s (version, name) VALUES (%d, '%s');\nCOMMIT;\n",
+			m.Version, m.Name, lockKey, schema, schema, createTable(o), strings.TrimSpace(o.Render(m)), o.table(), m.Version, m.Name)
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// createTable is the statement creating the migrations table.
+func createTable(o Options) string {
+	return `CREATE TABLE IF NOT EXISTS ` + o.table() + ` (
+	version    integer PRIMARY KEY,
+	name       text NOT NULL,
+	applied_at timestamptz NOT NULL DEFAULT now())`
 }
 
 // Beginner starts transactions; *pgx.Conn, *pgxpool.Pool and pgx.Tx satisfy it.
@@ -80,13 +145,19 @@ func Latest() int {
 // advisory lock and then re-reads what is applied, so concurrent Up calls from any number of
 // processes apply each version exactly once; the losers wait and find nothing left to do.
 func Up(ctx context.Context, db Beginner) ([]int, error) {
+	return UpWith(ctx, db, Options{})
+}
+
+// UpWith is Up into the schema and with the publication of o.
+func UpWith(ctx context.Context, db Beginner, o Options) ([]int, error) {
+	o = o.withDefaults()
 	all, err := All()
 	if err != nil {
 		return nil, err
 	}
 	var applied []int
 	for _, m := range all {
-		did, err := apply(ctx, db, m)
+		did, err := apply(ctx, db, m, o)
 		if err != nil {
 			return applied, err
 		}
@@ -97,7 +168,7 @@ func Up(ctx context.Context, db Beginner) ([]int, error) {
 	return applied, nil
 }
 
-func apply(ctx context.Context, db Beginner, m Migration) (bool, error) {
+func apply(ctx context.Context, db Beginner, m Migration, o Options) (bool, error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return false, fmt.Errorf("migration %d: begin: %w", m.Version, err)
@@ -107,24 +178,32 @@ func apply(ctx context.Context, db Beginner, m Migration) (bool, error) {
 	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey); err != nil {
 		return false, fmt.Errorf("migration %d: take advisory lock: %w", m.Version, err)
 	}
-	if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+Table+` (
-		version    integer PRIMARY KEY,
-		name       text NOT NULL,
-		applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
+	// CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema exists:
+	// only a missing schema is created.
+	schema := pgx.Identifier{o.Schema}.Sanitize()
+	if _, err := tx.Exec(ctx, `DO $$ BEGIN
+		IF to_regnamespace(`+quoteLiteral(schema)+`) IS NULL THEN CREATE SCHEMA `+schema+`; END IF;
+	END $$`); err != nil {
+		return false, fmt.Errorf("migration %d: create schema %s: %w", m.Version, o.Schema, err)
+	}
+	if _, err := tx.Exec(ctx, `SET LOCAL search_path TO `+schema); err != nil {
+		return false, fmt.Errorf("migration %d: search_path: %w", m.Version, err)
+	}
+	if _, err := tx.Exec(ctx, createTable(o)); err != nil {
 		return false, fmt.Errorf("migration %d: create %s: %w", m.Version, Table, err)
 	}
 	var exists bool
-	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+Table+` WHERE version = $1)`, m.Version).Scan(&exists); err != nil {
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+o.table()+` WHERE version = $1)`, m.Version).Scan(&exists); err != nil {
 		return false, fmt.Errorf("migration %d: read %s: %w", m.Version, Table, err)
 	}
 	if exists {
 		return false, nil
 	}
 	// Simple protocol: a migration file holds several statements.
-	if _, err := tx.Exec(ctx, m.SQL, pgx.QueryExecModeSimpleProtocol); err != nil {
+	if _, err := tx.Exec(ctx, o.Render(m), pgx.QueryExecModeSimpleProtocol); err != nil {
 		return false, fmt.Errorf("migration %d (%s): %w", m.Version, m.Name, err)
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO `+Table+` (version, name) VALUES ($1, $2)`, m.Version, m.Name); err != nil {
+	if _, err := tx.Exec(ctx, `INSERT INTO `+o.table()+` (version, name) VALUES ($1, $2)`, m.Version, m.Name); err != nil {
 		return false, fmt.Errorf("migration %d: record: %w", m.Version, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -135,19 +214,25 @@ func apply(ctx context.Context, db Beginner, m Migration) (bool, error) {
 
 // Applied returns the versions recorded in the database, in order; none when Up never ran.
 func Applied(ctx context.Context, db Beginner) ([]int, error) {
+	return AppliedIn(ctx, db, "")
+}
+
+// AppliedIn is Applied for a schema other than public ("" is public).
+func AppliedIn(ctx context.Context, db Beginner, schema string) ([]int, error) {
+	o := Options{Schema: schema}
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("applied migrations: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
 	var present bool
-	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, Table).Scan(&present); err != nil {
+	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, o.table()).Scan(&present); err != nil {
 		return nil, fmt.Errorf("applied migrations: %w", err)
 	}
 	if !present {
 		return nil, nil
 	}
-	rows, err := tx.Query(ctx, `SELECT version FROM `+Table+` ORDER BY version`)
+	rows, err := tx.Query(ctx, `SELECT version FROM `+o.table()+` ORDER BY version`)
 	if err != nil {
 		return nil, fmt.Errorf("applied migrations: %w", err)
 	}
@@ -164,7 +249,12 @@ var ErrSchemaBehind = errors.New("database schema is behind this binary: run `ba
 // Check reports ErrSchemaBehind (wrapped, with the versions) when the database lacks a
 // version this binary embeds.
 func Check(ctx context.Context, db Beginner) error {
-	applied, err := Applied(ctx, db)
+	return CheckIn(ctx, db, "")
+}
+
+// CheckIn is Check for a schema other than public ("" is public).
+func CheckIn(ctx context.Context, db Beginner, schema string) error {
+	applied, err := AppliedIn(ctx, db, schema)
 	if err != nil {
 		return err
 	}
@@ -177,3 +267,6 @@ func Check(ctx context.Context, db Beginner) error {
 	}
 	return nil
 }
+
+// quoteLiteral quotes s as an SQL string literal.
+func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }

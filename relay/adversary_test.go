@@ -7,13 +7,13 @@
 // BackfillOfAnInfiniteRowLoopsForever, FirstStartInsertHasNoDeadline (setup_deadline_test.go),
 // StreamChangedToNoAckLoopsInsteadOfFailing (setup_deadline_test.go),
 // InFlightIsBoundedByCountNotBytes (memory_test.go),
-// HugeLogicalMessageExceedsRelayMemoryLimit (cut_test.go), BackfillPublishesUndecodableTimestamps,
+// HugeLogicalMessageExceedsRelayMemoryLimit (cut_test.go),
+// ConfigSchemaIsIgnoredByTheRelaysStatements (schema_test.go), BackfillPublishesUndecodableTimestamps,
 // SlowNATSLivelocksOnALargeTransaction, FatalErrorDoesNotLingerForMetrics.
 
 package relay_test
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"strings"
@@ -25,7 +25,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/internal/testsvc"
-	"github.com/batonhq/baton/relay"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -207,58 +206,4 @@ func TestAdversaryBackfillPublishesUndecodableTimestamps(t *testing.T) {
 		require.NoError(t, json.Unmarshal(m.data, &ev), "turn event %s cannot be decoded: %s", m.header.Get("Nats-Msg-Id"), m.data)
 		require.Contains(t, []int64{ok, after}, ev.OutboxID)
 	}
-}
-
-// Config.Schema "holds the Baton tables" (DESIGN.md: BATON_SCHEMA, default public), and the
-// decoder and the publication check use it, but the relay's own statements name its tables
-// without a schema (baton_relay_slots, the backfill's agent_outbox): with the tables in
-// another schema the relay fails its setup, or worse, reads same-named tables that
-// search_path finds first. (`baton relay` does not read BATON_SCHEMA at all.)
-func TestAdversaryConfigSchemaIsIgnoredByTheRelaysStatements(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	ctx := ctxT(t, time.Minute)
-	_, err := b.db.Pool.Exec(ctx, `CREATE SCHEMA bt`)
-	require.NoError(t, err)
-	for _, tbl := range []string{"conversations", "messages", "agent_outbox", "operations", "baton_relay_slots"} {
-		_, err := b.db.Pool.Exec(ctx, `ALTER TABLE `+tbl+` SET SCHEMA bt`)
-		require.NoError(t, err)
-	}
-	_, err = b.db.Pool.Exec(ctx, `INSERT INTO bt.conversations (id) VALUES ('c')`)
-	require.NoError(t, err)
-	var id int64
-	require.NoError(t, b.db.Pool.QueryRow(ctx, `WITH m AS (INSERT INTO bt.messages (id, conversation_id, role, content)
-			VALUES ('m1', 'c', 'user', 'x') RETURNING id, conversation_id)
-		INSERT INTO bt.agent_outbox (conversation_id, message_id) SELECT conversation_id, id FROM m RETURNING id`).Scan(&id))
-	b.cfg.Schema = "bt"
-	r, err := relay.New(b.cfg)
-	require.NoError(t, err)
-	runCtx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(runCtx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case <-done:
-		case <-time.After(30 * time.Second):
-			t.Error("relay did not stop within 30s")
-		}
-	})
-	require.Eventually(t, func() bool {
-		select {
-		case err := <-done:
-			done <- err
-			return true
-		default:
-			return r.Active()
-		}
-	}, 30*time.Second, 10*time.Millisecond)
-	select {
-	case err := <-done:
-		done <- err // for the cleanup
-		t.Fatalf("relay with Schema %q stopped: %v", b.cfg.Schema, err)
-	default:
-	}
-	turns := b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
-	assertExactlyOnceInOrder(t, turns, map[int64]string{id: "c"})
 }

@@ -101,6 +101,9 @@ func (r *Relay) session(ctx context.Context) error {
 	}
 	pinSession(connCfg.RuntimeParams)
 	setKeepalives(connCfg.RuntimeParams)
+	// The relay's own statements (baton_relay_slots) name Baton's tables as the migrations
+	// created them: in Schema, and nowhere else.
+	connCfg.RuntimeParams["search_path"] = pgx.Identifier{cfg.Schema}.Sanitize()
 	if connCfg.ConnectTimeout == 0 { // connect_timeout in the URL wins
 		connCfg.ConnectTimeout = cfg.SetupTimeout
 	}

@@ -40,7 +40,7 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		"with nothing streaming from the slot for this long (its host vanished); takeover takes about\n"+
 		"wal_sender_timeout + this")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
-		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvMetricsAddr, config.EnvFatalLinger)
+		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvSchema, config.EnvMetricsAddr, config.EnvFatalLinger)
 	if err != nil {
 		return err
 	}
@@ -62,6 +62,7 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		SubjectPrefix:    cfg.SubjectPrefix,
 		Slot:             cfg.Slot,
 		Publication:      cfg.Publication,
+		Schema:           cfg.Schema,
 		Streams:          relay.StreamSettings{Duplicates: *dupWindow},
 		MaxInFlight:      *maxInFlight,
 		MaxInFlightBytes: *maxInFlightBytes,

@@ -34,6 +34,7 @@ const (
 	EnvSubjectPrefix = "BATON_SUBJECT_PREFIX"
 	EnvSlot          = "BATON_SLOT"
 	EnvPublication   = "BATON_PUBLICATION"
+	EnvSchema        = "BATON_SCHEMA"
 	EnvMetricsAddr   = "BATON_METRICS_ADDR"
 	EnvFatalLinger   = "BATON_FATAL_LINGER"
 	EnvLogLevel      = "BATON_LOG_LEVEL"
@@ -66,6 +67,11 @@ type Config struct {
 	// Publication is the Postgres publication the relay streams. A lowercase SQL identifier
 	// (letter or underscore first, then letters, digits, underscores), at most 63. Default: "baton".
 	Publication string `env:"BATON_PUBLICATION" envDefault:"baton"`
+	// Schema is the Postgres schema that holds Baton's tables and functions, created by
+	// `baton migrate` when missing; choose one when Baton's generic names (messages,
+	// conversations, operations) would clash with the application's. A lowercase SQL identifier,
+	// not pg_*. Default: "public".
+	Schema string `env:"BATON_SCHEMA" envDefault:"public"`
 	// MetricsAddr is the host:port of the Prometheus /metrics listener. Default: empty (off).
 	MetricsAddr string `env:"BATON_METRICS_ADDR"`
 	// FatalLinger is how long a command that stopped on an error no retry can fix keeps
@@ -101,6 +107,7 @@ var variables = []variable{
 	{EnvSubjectPrefix, "subject `prefix` (default agent)", func(c *Config) *string { return &c.SubjectPrefix }},
 	{EnvSlot, "replication slot `name` (default baton)", func(c *Config) *string { return &c.Slot }},
 	{EnvPublication, "publication `name` (default baton)", func(c *Config) *string { return &c.Publication }},
+	{EnvSchema, "Postgres `schema` of Baton's tables (default public)", func(c *Config) *string { return &c.Schema }},
 	{EnvMetricsAddr, "metrics listen `addr`ess host:port (default off)", func(c *Config) *string { return &c.MetricsAddr }},
 	{EnvFatalLinger, "after an error no retry can fix, keep serving metrics and health (not ready) for this `duration` before exiting; 0 exits at once (default 2m)",
 		func(c *Config) *string { return &c.FatalLinger }},
@@ -214,6 +221,9 @@ func (c Config) Validate() error {
 	}
 	if err := pgname.Publication(c.Publication); err != nil {
 		bad(EnvPublication, "%v", err)
+	}
+	if err := pgname.Schema(c.Schema); err != nil {
+		bad(EnvSchema, "%v", err)
 	}
 	if c.MetricsAddr != "" {
 		if err := checkListenAddr(c.MetricsAddr); err != nil {
@@ -353,6 +363,7 @@ func (c Config) LogValue() slog.Value {
 		slog.String("subject_prefix", c.SubjectPrefix),
 		slog.String("slot", c.Slot),
 		slog.String("publication", c.Publication),
+		slog.String("schema", c.Schema),
 		slog.String("metrics_addr", c.MetricsAddr),
 		slog.String("fatal_linger", c.FatalLinger),
 		slog.String("log_level", c.LogLevel),
@@ -362,12 +373,12 @@ func (c Config) LogValue() slog.Value {
 
 // String formats the configuration with passwords redacted, for %v, %+v and %s.
 func (c Config) String() string {
-	return fmt.Sprintf("{DatabaseURL:%s NATSURL:%s SubjectPrefix:%s Slot:%s Publication:%s MetricsAddr:%s FatalLinger:%s LogLevel:%s LogFormat:%s}",
-		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.MetricsAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
+	return fmt.Sprintf("{DatabaseURL:%s NATSURL:%s SubjectPrefix:%s Slot:%s Publication:%s Schema:%s MetricsAddr:%s FatalLinger:%s LogLevel:%s LogFormat:%s}",
+		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
 }
 
 // GoString formats the configuration with passwords redacted, for %#v.
 func (c Config) GoString() string {
-	return fmt.Sprintf("config.Config{DatabaseURL:%q, NATSURL:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, MetricsAddr:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q}",
-		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.MetricsAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
+	return fmt.Sprintf("config.Config{DatabaseURL:%q, NATSURL:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, Schema:%q, MetricsAddr:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q}",
+		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
 }

@@ -24,7 +24,7 @@ func clearEnv(t *testing.T) {
 }
 
 func defaults() Config {
-	return Config{SubjectPrefix: "agent", Slot: "baton", Publication: "baton", FatalLinger: "2m", LogLevel: "info", LogFormat: "text"}
+	return Config{SubjectPrefix: "agent", Slot: "baton", Publication: "baton", Schema: "public", FatalLinger: "2m", LogLevel: "info", LogFormat: "text"}
 }
 
 func TestLoad(t *testing.T) {

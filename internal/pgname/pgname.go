@@ -5,6 +5,7 @@ package pgname
 import (
 	"fmt"
 	"regexp"
+	"strings"
 )
 
 var (
@@ -30,6 +31,19 @@ func Slot(name string) error {
 func Publication(name string) error {
 	if !publicationRE.MatchString(name) {
 		return fmt.Errorf("must match %s (got %q)", publicationRE, name)
+	}
+	return nil
+}
+
+// Schema returns an error, naming the rule, when name is not a schema Baton may live in: a
+// lowercase SQL identifier that needs no quoting, and not one Postgres reserves (pg_*,
+// information_schema).
+func Schema(name string) error {
+	if !publicationRE.MatchString(name) {
+		return fmt.Errorf("must match %s (got %q)", publicationRE, name)
+	}
+	if strings.HasPrefix(name, "pg_") || name == "information_schema" {
+		return fmt.Errorf("%q is reserved by PostgreSQL", name)
 	}
 	return nil
 }
