@@ -70,6 +70,11 @@ type Config struct {
 	Durable string
 	// Name identifies this worker in agent_runs. Default: host name and process id.
 	Name string
+	// Schema is the Postgres schema holding Baton's tables (BATON_SCHEMA; see
+	// migrations.Options). The worker's statements name the tables without a schema: Pool's
+	// search_path must find them there first (set "search_path" in the pool config's
+	// ConnConfig.RuntimeParams), which Run checks. Default: "public".
+	Schema string
 
 	// Debounce is how long after the first message of an idle conversation was written a worker
 	// claims, so a burst of messages becomes one turn. The time the event took to reach the
@@ -134,6 +139,9 @@ type Config struct {
 var ErrConfig = errors.New("consumer config")
 
 func (c *Config) fill() error {
+	if c.Schema == "" {
+		c.Schema = "public"
+	}
 	if c.Pool == nil {
 		return fmt.Errorf("%w: Pool is required", ErrConfig)
 	}

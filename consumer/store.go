@@ -346,3 +346,8 @@ const oldestPendingSQL = `SELECT coalesce(extract(epoch FROM now() - min(created
 
 // statesSQL reads the status and available_at of outbox rows ($1).
 const statesSQL = `SELECT id, status, available_at FROM agent_outbox WHERE id = ANY($1)`
+
+// tablesSchemaSQL answers the schema in which the connection's search_path finds
+// agent_outbox, or "" when it finds none.
+const tablesSchemaSQL = `SELECT coalesce((SELECT n.nspname::text FROM pg_class c
+	JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('agent_outbox')), '')`

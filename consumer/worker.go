@@ -61,6 +61,9 @@ func New(cfg Config) (*Worker, error) {
 // RecoveryInterval. When ctx ends it stops taking work, gives running turns ShutdownGrace to
 // finish (then cancels them and releases their rows), and returns nil.
 func (w *Worker) Run(ctx context.Context) error {
+	if err := w.checkSchema(ctx); err != nil {
+		return err
+	}
 	w.claims = newBatcher(maxBatch, batchLinger, 30*time.Second, w.m.batchSize.WithLabelValues("claim"), w.store.claimMany)
 	defer w.claims.close()
 	w.finishes = newBatcher(maxBatch, batchLinger, 30*time.Second, w.m.batchSize.WithLabelValues("finish"), w.store.finishMany)
@@ -75,6 +78,24 @@ func (w *Worker) Run(ctx context.Context) error {
 		return nil
 	}
 	return err
+}
+
+// checkSchema checks that the pool's search_path finds Baton's tables in Config.Schema: its
+// statements name them without a schema.
+func (w *Worker) checkSchema(ctx context.Context) error {
+	var found string
+	if err := w.cfg.Pool.QueryRow(ctx, tablesSchemaSQL).Scan(&found); err != nil {
+		return fmt.Errorf("find Baton's tables: %w", err)
+	}
+	if found != w.cfg.Schema {
+		where := "finds no agent_outbox"
+		if found != "" {
+			where = fmt.Sprintf("finds agent_outbox in schema %q", found)
+		}
+		return fmt.Errorf("%w: the pool's search_path %s, want schema %q (Config.Schema): set search_path in the pool config's ConnConfig.RuntimeParams, and run baton migrate with BATON_SCHEMA=%s",
+			ErrConfig, where, w.cfg.Schema, w.cfg.Schema)
+	}
+	return nil
 }
 
 // recoverOnce recovers every run whose lease expired.

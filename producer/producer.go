@@ -42,6 +42,10 @@ type Config struct {
 	MaxContentBytes int
 	// Logger receives a debug record per message written. Default (nil): records are discarded.
 	Logger *slog.Logger
+	// Schema is the Postgres schema holding Baton's tables (BATON_SCHEMA; see
+	// migrations.Options). Statements name it, so the caller's search_path does not matter.
+	// Default (empty): "public".
+	Schema string
 }
 
 // Producer writes user messages and their outbox rows. It holds no connections and is safe for
@@ -49,6 +53,27 @@ type Config struct {
 type Producer struct {
 	maxContentBytes int
 	logger          *slog.Logger
+	sql             statements
+}
+
+// statements are the producer's SQL with the tables qualified by the configured schema.
+type statements struct {
+	insert, lookup, createConversation string
+}
+
+func newStatements(schema string) statements {
+	if schema == "" {
+		schema = "public"
+	}
+	r := strings.NewReplacer(
+		"{messages}", pgx.Identifier{schema, "messages"}.Sanitize(),
+		"{agent_outbox}", pgx.Identifier{schema, "agent_outbox"}.Sanitize(),
+		"{conversations}", pgx.Identifier{schema, "conversations"}.Sanitize())
+	return statements{
+		insert:             r.Replace(insertSQL),
+		lookup:             r.Replace(lookupSQL),
+		createConversation: r.Replace(createConversationSQL),
+	}
 }
 
 // New returns a Producer with cfg's defaults filled in.
@@ -65,7 +90,7 @@ func New(cfg Config) (*Producer, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	return &Producer{maxContentBytes: cfg.MaxContentBytes, logger: cfg.Logger}, nil
+	return &Producer{maxContentBytes: cfg.MaxContentBytes, logger: cfg.Logger, sql: newStatements(cfg.Schema)}, nil
 }
 
 // Message is a user message to hand to the agent. It has no queue fields: an outbox row always
@@ -155,12 +180,12 @@ func (p *Producer) SendTx(ctx context.Context, tx pgx.Tx, msg Message) (Result, 
 // end of the statement; the statement then writes nothing.
 const insertSQL = `
 WITH m AS (
-	INSERT INTO messages (id, conversation_id, role, content)
+	INSERT INTO {messages} (id, conversation_id, role, content)
 	VALUES ($1, $2, 'user', $3)
 	ON CONFLICT (id) DO NOTHING
 	RETURNING id, conversation_id
 )
-INSERT INTO agent_outbox (conversation_id, message_id)
+INSERT INTO {agent_outbox} (conversation_id, message_id)
 SELECT conversation_id, id FROM m
 RETURNING id, created_at`
 
@@ -170,8 +195,11 @@ RETURNING id, created_at`
 const lookupSQL = `
 SELECT x.id, x.created_at,
 	e.conversation_id = $2 AND e.role = 'user' AND e.content = $3
-FROM messages e LEFT JOIN agent_outbox x ON x.message_id = e.id
+FROM {messages} e LEFT JOIN {agent_outbox} x ON x.message_id = e.id
 WHERE e.id = $1`
+
+// createConversationSQL creates a conversation unless it exists, answering true when it did.
+const createConversationSQL = `INSERT INTO {conversations} (id) VALUES ($1) ON CONFLICT (id) DO NOTHING RETURNING true`
 
 // existing is what lookupSQL says about the message holding an id.
 type existing struct {
@@ -189,11 +217,11 @@ func (p *Producer) send(ctx context.Context, q querier, msg Message, inTx bool) 
 	}
 	for attempt := 1; ; attempt++ {
 		var res Result
-		err := q.QueryRow(ctx, insertSQL, msg.ID, msg.ConversationID, msg.Content).Scan(&res.OutboxID, &res.CreatedAt)
+		err := q.QueryRow(ctx, p.sql.insert, msg.ID, msg.ConversationID, msg.Content).Scan(&res.OutboxID, &res.CreatedAt)
 		if errors.Is(err, pgx.ErrNoRows) {
 			// The id is taken: a retry, or a different message.
 			var e existing
-			err = q.QueryRow(ctx, lookupSQL, msg.ID, msg.ConversationID, msg.Content).
+			err = q.QueryRow(ctx, p.sql.lookup, msg.ID, msg.ConversationID, msg.Content).
 				Scan(&e.outboxID, &e.createdAt, &e.same)
 			if errors.Is(err, pgx.ErrNoRows) {
 				// The message that held the id is gone again: its conversation was deleted in
@@ -263,9 +291,7 @@ func (p *Producer) createConversation(ctx context.Context, q querier, id string)
 		return false, fmt.Errorf("create conversation: %w", err)
 	}
 	var created bool
-	err := q.QueryRow(ctx,
-		`INSERT INTO conversations (id) VALUES ($1) ON CONFLICT (id) DO NOTHING RETURNING true`, id).
-		Scan(&created)
+	err := q.QueryRow(ctx, p.sql.createConversation, id).Scan(&created)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return false, nil

@@ -9,6 +9,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/sync/errgroup"
 
@@ -136,7 +137,7 @@ func configureDemo(fs *flag.FlagSet, args []string, stderr io.Writer) (*config.C
 		cfg.LogLevel = "warn"
 	}
 	cfg.BindFlags(fs, config.EnvDatabaseURL, config.EnvNATSURL, config.EnvSubjectPrefix, config.EnvSlot,
-		config.EnvPublication, config.EnvMetricsAddr, config.EnvLogLevel, config.EnvLogFormat)
+		config.EnvPublication, config.EnvSchema, config.EnvMetricsAddr, config.EnvLogLevel, config.EnvLogFormat)
 	if err := parseFlags(fs, args); err != nil {
 		return nil, nil, err
 	}
@@ -206,12 +207,14 @@ func runDemoOn(ctx context.Context, d *demo.Demo, cfg config.Config, modelLatenc
 	if pcfg.ConnConfig.ConnectTimeout == 0 {
 		pcfg.ConnConfig.ConnectTimeout = connectTimeout
 	}
+	// The demo's own reads and the workers' statements find Baton's tables in its schema.
+	pcfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{cfg.Schema}.Sanitize()
 	pool, err := pgxpool.NewWithConfig(startCtx, pcfg)
 	if err != nil {
 		return fmt.Errorf("connect to PostgreSQL: %w", err)
 	}
 	defer pool.Close()
-	if _, err := migrations.Up(startCtx, pool); err != nil {
+	if _, err := migrations.UpWith(startCtx, pool, migrations.Options{Schema: cfg.Schema, Publication: cfg.Publication}); err != nil {
 		return fmt.Errorf("apply migrations: %w", err)
 	}
 	fmt.Fprintf(out, "  schema at version %d\n", migrations.Latest())
@@ -223,13 +226,14 @@ func runDemoOn(ctx context.Context, d *demo.Demo, cfg config.Config, modelLatenc
 		SubjectPrefix: cfg.SubjectPrefix,
 		Slot:          cfg.Slot,
 		Publication:   cfg.Publication,
+		Schema:        cfg.Schema,
 		Logger:        log,
 		Registerer:    reg,
 	})
 	if err != nil {
 		return err
 	}
-	prod, err := producer.New(producer.Config{Logger: log})
+	prod, err := producer.New(producer.Config{Logger: log, Schema: cfg.Schema})
 	if err != nil {
 		return err
 	}

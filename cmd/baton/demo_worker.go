@@ -73,6 +73,7 @@ func newDemoWorkers(ctx context.Context, cfg *config.Config, pcfg *pgxpool.Confi
 		}
 		ws.conns = append(ws.conns, nc)
 		w, err := consumer.New(consumer.Config{
+			Schema:             cfg.Schema,
 			Pool:               pool,
 			NATS:               nc,
 			Handler:            handler,

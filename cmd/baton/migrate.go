@@ -20,10 +20,17 @@ const migrateSummary = "apply the database schema (safe at every start and from 
 func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("migrate", `Migrate applies every embedded schema migration the database lacks, each in its own
 transaction, logs each version it applied and prints the version the schema is at.
-It is safe to run at every start and from many processes at once.`, stderr)
-	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL)
+It is safe to run at every start and from many processes at once. Baton's tables go into
+the schema BATON_SCHEMA names, created when missing. With --print it writes the SQL instead,
+for teams that apply migrations with their own tool, and needs no database.`, stderr)
+	print := fs.Bool("print", false, "write the migrations as one SQL script to stdout instead of applying them")
+	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvSchema, config.EnvPublication)
 	if err != nil {
 		return err
+	}
+	opts := migrations.Options{Schema: cfg.Schema, Publication: cfg.Publication}
+	if *print {
+		return migrations.Print(stdout, opts)
 	}
 	if err := cfg.Require(config.EnvDatabaseURL); err != nil {
 		return err
@@ -44,14 +51,14 @@ It is safe to run at every start and from many processes at once.`, stderr)
 	for _, m := range all {
 		names[m.Version] = m.Name
 	}
-	applied, err := migrations.Up(ctx, conn)
+	applied, err := migrations.UpWith(ctx, conn, opts)
 	for _, v := range applied { // also those applied before a failure
 		log.Info("migration applied", "version", v, "name", names[v])
 	}
 	if err != nil {
 		return fmt.Errorf("apply migrations: %w", err)
 	}
-	versions, err := migrations.Applied(ctx, conn)
+	versions, err := migrations.AppliedIn(ctx, conn, cfg.Schema)
 	if err != nil {
 		return err
 	}
@@ -80,6 +87,7 @@ func connect(ctx context.Context, cfg *config.Config) (*pgx.Conn, error) {
 	if pc.ConnectTimeout == 0 {
 		pc.ConnectTimeout = connectTimeout // an unreachable host must not hang the command
 	}
+	pc.RuntimeParams["search_path"] = pgx.Identifier{cfg.Schema}.Sanitize()
 	conn, err := pgx.ConnectConfig(ctx, pc)
 	if err != nil {
 		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)

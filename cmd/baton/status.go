@@ -40,7 +40,7 @@ read has an "error" field.`, stderr)
 	durable := fs.String("durable", statusreport.DefaultDurable, "the workers' durable consumer on the turns stream")
 	timeout := fs.Duration("timeout", 30*time.Second, "how long reading the report may take")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
-		config.EnvSubjectPrefix, config.EnvSlot)
+		config.EnvSubjectPrefix, config.EnvSlot, config.EnvSchema)
 	if err != nil {
 		return err
 	}
@@ -60,7 +60,8 @@ read has an "error" field.`, stderr)
 	}
 	defer func() { _ = conn.Close(context.WithoutCancel(ctx)) }()
 
-	opts := statusreport.Options{Slot: cfg.Slot, SubjectPrefix: cfg.SubjectPrefix, Durable: *durable, StaleAfter: *staleAfter}
+	opts := statusreport.Options{Slot: cfg.Slot, SubjectPrefix: cfg.SubjectPrefix, Durable: *durable, StaleAfter: *staleAfter,
+		Schema: cfg.Schema}
 	rep := statusreport.Gather(ctx, conn, opts)
 	rep.Streams = gatherStreams(ctx, cfg, opts)
 	rep.Evaluate()

@@ -37,6 +37,7 @@ import (
 	"time"
 
 	"github.com/caarlos0/env/v11"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
@@ -64,6 +65,7 @@ type config struct {
 	DatabaseURL   string `env:"BATON_DATABASE_URL"`
 	NATSURL       string `env:"BATON_NATS_URL"`
 	SubjectPrefix string `env:"BATON_SUBJECT_PREFIX" envDefault:"agent"`
+	Schema        string `env:"BATON_SCHEMA" envDefault:"public"`
 	MetricsAddr   string `env:"BATON_METRICS_ADDR"`
 	LogLevel      string `env:"BATON_LOG_LEVEL" envDefault:"info"`
 	LogFormat     string `env:"BATON_LOG_FORMAT" envDefault:"text"`
@@ -120,7 +122,13 @@ func run(ctx context.Context) error {
 		}
 	}
 
-	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
+	pcfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
+	if err != nil { // its text may quote the URL, password included
+		return errors.New("BATON_DATABASE_URL is not a usable PostgreSQL connection string")
+	}
+	// The worker's statements name Baton's tables without a schema: search only BATON_SCHEMA.
+	pcfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{cfg.Schema}.Sanitize()
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		return fmt.Errorf("connect to Postgres: %w", err)
 	}
@@ -144,6 +152,7 @@ func run(ctx context.Context) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	wc.Pool, wc.Handler, wc.SubjectPrefix, wc.Logger, wc.Registerer = pool, agent.Handle, cfg.SubjectPrefix, log, reg
+	wc.Schema = cfg.Schema
 	w, err := consumer.New(wc)
 	if err != nil {
 		return err

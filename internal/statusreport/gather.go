@@ -34,14 +34,14 @@ func Gather(ctx context.Context, db DB, opts Options) *Report {
 	}
 	// When this fails, so does every section below, and each says why.
 	_ = db.QueryRow(ctx, `SELECT current_database()`).Scan(&r.Database)
-	readSchema(ctx, db, &r.Schema)
+	readSchema(ctx, db, opts.Schema, &r.Schema)
 	readSlot(ctx, db, &r.Slot)
 	readOutbox(ctx, db, &r.Outbox)
 	return r
 }
 
-func readSchema(ctx context.Context, db DB, s *Schema) {
-	versions, err := migrations.Applied(ctx, db)
+func readSchema(ctx context.Context, db DB, schema string, s *Schema) {
+	versions, err := migrations.AppliedIn(ctx, db, schema)
 	if err != nil {
 		s.Error = err.Error()
 		return

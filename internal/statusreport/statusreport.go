@@ -38,6 +38,9 @@ type Options struct {
 	// StaleAfter is the age past which the oldest pending request, or an expired lease no
 	// worker recovered, needs attention. Default 5m.
 	StaleAfter time.Duration
+	// Schema holds Baton's tables. The connection's search_path must find them there (as
+	// `baton status` sets it); the schema version is read from it. Default "public".
+	Schema string
 }
 
 func (o *Options) fill() {
@@ -49,6 +52,7 @@ func (o *Options) fill() {
 	def(&o.Slot, DefaultSlot)
 	def(&o.SubjectPrefix, DefaultSubjectPrefix)
 	def(&o.Durable, DefaultDurable)
+	def(&o.Schema, "public")
 	if o.StaleAfter <= 0 {
 		o.StaleAfter = DefaultStaleAfter
 	}
