@@ -1,6 +1,6 @@
 package relay_test
 
-// Benchmarks of the relay against baselines measured in the same run (issue 3, item 10).
+// Benchmarks of the relay against baselines measured in the same run.
 //
 //	go test -run '^$' -bench 'Relay' -benchtime=1x -timeout 20m ./relay/
 //

@@ -17,7 +17,7 @@ import (
 	"github.com/batonhq/baton/wire"
 )
 
-// The poison run of issue 10: everything a database role can write that no retry can publish,
+// The poison run: everything a database role can write that no retry can publish,
 // thrown at `baton relay` running as its own process, followed by ordinary traffic. The relay
 // must never exit, must set each poison change aside in the dead-letter stream with its kind,
 // must survive a per-database DateStyle change and a killed walsender, and must publish every
