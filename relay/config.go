@@ -83,14 +83,15 @@ type Config struct {
 	StaleLockAfter time.Duration
 	// SetupTimeout bounds each connection attempt to Postgres and each setup step of a session
 	// (checks, the lock query, reading the slot, START_REPLICATION, and on first start the
-	// statements that record the slot, drop a stale one, and each page the backfill reads), so
-	// that a path that drops packets fails the session instead of hanging it. Default 10s.
+	// statements that record the slot or drop a stale one), so that a path that drops packets
+	// fails the session instead of hanging it. Default 10s.
 	SetupTimeout time.Duration
-	// SlotCreateTimeout bounds CREATE_REPLICATION_SLOT on first start. Postgres creates a
-	// logical slot only once every transaction running at that moment has ended, so this is
-	// the longest transaction the first start waits out; past it the session fails and the
-	// next one tries again. Default 5m.
-	SlotCreateTimeout time.Duration
+	// FirstStartTimeout bounds the first start's slower steps: CREATE_REPLICATION_SLOT, which
+	// Postgres finishes only once every transaction running at that moment has ended (so this
+	// is the longest transaction the first start waits out), and each page of the backfill,
+	// which may scan a large outbox for its unfinished rows. Past it the session fails and the
+	// next one starts over. Default 5m.
+	FirstStartTimeout time.Duration
 	// MinBackoff and MaxBackoff bound the jittered, exponential wait between reconnects.
 	// Defaults 100ms and 10s.
 	MinBackoff, MaxBackoff time.Duration
@@ -189,7 +190,7 @@ func (c *Config) fill() error {
 	defDur(&c.StandbyPoll, time.Second)
 	defDur(&c.StaleLockAfter, 10*time.Second)
 	defDur(&c.SetupTimeout, 10*time.Second)
-	defDur(&c.SlotCreateTimeout, 5*time.Minute)
+	defDur(&c.FirstStartTimeout, 5*time.Minute)
 	defDur(&c.MinBackoff, 100*time.Millisecond)
 	defDur(&c.MaxBackoff, 10*time.Second)
 	defDur(&c.DrainTimeout, 10*time.Second)

@@ -372,15 +372,15 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 		return fmt.Errorf("record slot %s: %w", cfg.Slot, err)
 	}
 	var created pglogrepl.CreateReplicationSlotResult
-	if err := within(ctx, cfg.SlotCreateTimeout, func(ctx context.Context) (err error) {
+	if err := within(ctx, cfg.FirstStartTimeout, func(ctx context.Context) (err error) {
 		created, err = pglogrepl.CreateReplicationSlot(ctx, repl, cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
 			Mode:           pglogrepl.LogicalReplication,
 			SnapshotAction: "EXPORT_SNAPSHOT",
 		})
 		return err
 	}); err != nil {
-		return fmt.Errorf("create slot %s (it waits for every transaction running now to end; SlotCreateTimeout %s): %w",
-			cfg.Slot, cfg.SlotCreateTimeout, err)
+		return fmt.Errorf("create slot %s (it waits for every transaction running now to end; FirstStartTimeout %s): %w",
+			cfg.Slot, cfg.FirstStartTimeout, err)
 	}
 	point, err := pglogrepl.ParseLSN(created.ConsistentPoint)
 	if err != nil {
@@ -441,7 +441,7 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 		for {
 			var page []item
 			var last int64
-			if err := r.bounded(gctx, func(ctx context.Context) (err error) {
+			if err := within(gctx, cfg.FirstStartTimeout, func(ctx context.Context) (err error) {
 				page, last, err = r.backfillPage(ctx, tx, after)
 				return err
 			}); err != nil {
