@@ -40,6 +40,7 @@ golangci-lint-install:
 		echo 'installing golangci-lint $(GOLANGCI_LINT_VERSION) (go install; takes a few minutes the first time)'; \
 		GOBIN="$$(dirname '$(GOLANGCI_LINT)')" $(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION); \
 	fi
+	@$(GOLANGCI_LINT) version
 
 bench: ## run the benchmarks
 	$(GO) test -run '^$$' -bench . -benchmem -timeout 30m ./...
