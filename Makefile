@@ -21,10 +21,11 @@ test: lint ## make lint, then every test with the race detector (needs PostgreSQ
 
 lint: fmt-check vet golangci-lint ## gofmt check, go vet and golangci-lint (.golangci.yml)
 
+# -s as golangci-lint's gofmt formatter checks it: composite literals without repeated types.
 fmt-check:
-	@echo '$(GOFMT) -l .'
-	@files="$$($(GOFMT) -l .)"; if [ -n "$$files" ]; then \
-		echo "these files need gofmt (run: gofmt -w .):"; echo "$$files"; exit 1; fi
+	@echo '$(GOFMT) -s -l .'
+	@files="$$($(GOFMT) -s -l .)"; if [ -n "$$files" ]; then \
+		echo "these files need gofmt -s (run: gofmt -s -w .):"; echo "$$files"; exit 1; fi
 
 vet:
 	$(GO) vet ./...
