@@ -32,7 +32,7 @@ const demoProcessEnv = "BATON_DEMO_TEST_PROCESS"
 // re-execute this test binary with demoProcessEnv set and the baton arguments after "--",
 // so the demo runs as a real process (signals, exit code, child servers) built from this
 // package, race detector included.
-func TestDemoProcess(t *testing.T) {
+func TestDemoProcess(_ *testing.T) {
 	if os.Getenv(demoProcessEnv) != "1" {
 		return
 	}

@@ -141,7 +141,8 @@ func TestMigrateInvalidConfiguration(t *testing.T) {
 
 func TestMigrateErrorsHideThePassword(t *testing.T) {
 	t.Parallel()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	var lc net.ListenConfig
+	l, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	closed := l.Addr().String() // nothing listens here once l is closed
 	require.NoError(t, l.Close())

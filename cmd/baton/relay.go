@@ -18,7 +18,8 @@ import (
 
 const relaySummary = "stream the outbox from Postgres logical replication to NATS JetStream"
 
-func runRelay(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+// runRelay logs to stderr and writes nothing to stdout.
+func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs := newFlagSet("relay", `Relay tails the publication with pgoutput and publishes every committed outbox row to
 <prefix>.turns.<conv> and every reply to <prefix>.outcomes.<conv>, confirming the slot's LSN
 only after JetStream acknowledged. Run two for high availability: one streams, the other

@@ -155,7 +155,9 @@ func (d *Demo) convID(i int) string { return d.convPrefix() + strconv.Itoa(i) }
 func (d *Demo) msgPrefix() string   { return d.cfg.RunID + "-m" }
 func (d *Demo) msgID(i int) string  { return d.msgPrefix() + strconv.Itoa(i) }
 
-func (d *Demo) printf(format string, args ...any) { fmt.Fprintf(d.cfg.Out, format, args...) }
+// printf writes a step or progress line to Config.Out. The lines are best effort: a failed
+// write stops nothing, and WriteSummary reports its own write errors.
+func (d *Demo) printf(format string, args ...any) { _, _ = fmt.Fprintf(d.cfg.Out, format, args...) }
 
 // TurnFailure is the error a worker's handler returns for a turn of conversation conv when
 // the run makes it fail on purpose (Config.FailEvery), and nil otherwise.

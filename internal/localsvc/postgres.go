@@ -41,9 +41,9 @@ type Postgres struct {
 }
 
 // FindBinDir returns the directory holding initdb and postgres.
-func FindBinDir() (string, error) {
+func FindBinDir(ctx context.Context) (string, error) {
 	var candidates []string
-	if out, err := exec.Command("pg_config", "--bindir").Output(); err == nil {
+	if out, err := exec.CommandContext(ctx, "pg_config", "--bindir").Output(); err == nil {
 		candidates = append(candidates, strings.TrimSpace(string(out)))
 	}
 	globbed, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
@@ -72,7 +72,7 @@ func isExec(path string) bool {
 
 // StartPostgres runs initdb in a new temp directory and starts the server on a free port.
 func StartPostgres(ctx context.Context) (*Postgres, error) {
-	bin, err := FindBinDir()
+	bin, err := FindBinDir(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -88,15 +88,19 @@ func StartPostgres(ctx context.Context) (*Postgres, error) {
 			_ = os.RemoveAll(dir)
 			return nil, fmt.Errorf("running as root needs the system user postgres to own the cluster: %w", err)
 		}
-		uid, _ := strconv.Atoi(u.Uid)
-		gid, _ := strconv.Atoi(u.Gid)
+		uid, uidErr := strconv.ParseUint(u.Uid, 10, 32)
+		gid, gidErr := strconv.ParseUint(u.Gid, 10, 32)
+		if err := errors.Join(uidErr, gidErr); err != nil {
+			_ = os.RemoveAll(dir)
+			return nil, fmt.Errorf("user postgres: %w", err)
+		}
 		p.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
-		if err := os.Chown(dir, uid, gid); err != nil {
+		if err := os.Chown(dir, int(uid), int(gid)); err != nil {
 			_ = os.RemoveAll(dir)
 			return nil, fmt.Errorf("chown %s: %w", dir, err)
 		}
 	}
-	initdb := p.command(filepath.Join(bin, "initdb"), "-D", p.dataDir(), "-U", "postgres",
+	initdb := p.command(ctx, filepath.Join(bin, "initdb"), "-D", p.dataDir(), "-U", "postgres",
 		"--auth=trust", "--encoding=UTF8", "--locale=C", "--no-sync")
 	if out, err := initdb.CombinedOutput(); err != nil {
 		_ = os.RemoveAll(dir)
@@ -108,7 +112,7 @@ func StartPostgres(ctx context.Context) (*Postgres, error) {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
-	if p.Port, err = freePort(); err != nil {
+	if p.Port, err = freePort(ctx); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
@@ -137,7 +141,7 @@ log_min_messages = warning
 `
 
 func appendFile(path, text string) error {
-	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0)
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0) //nolint:gosec // G304: a file of the cluster this package created
 	if err != nil {
 		return fmt.Errorf("open %s: %w", path, err)
 	}
@@ -150,8 +154,10 @@ func appendFile(path, text string) error {
 
 func (p *Postgres) dataDir() string { return filepath.Join(p.Dir, "data") }
 
-func (p *Postgres) command(name string, args ...string) *exec.Cmd {
-	cmd := exec.Command(name, args...)
+// command runs name, a binary from BinDir, in the cluster's directory as the cluster's user.
+// ctx kills it when it ends.
+func (p *Postgres) command(ctx context.Context, name string, args ...string) *exec.Cmd {
+	cmd := exec.CommandContext(ctx, name, args...) //nolint:gosec // G204: initdb or postgres from FindBinDir
 	cmd.Dir = p.Dir
 	cmd.Env = append(os.Environ(), "LC_ALL=C")
 	cmd.SysProcAttr = &syscall.SysProcAttr{
@@ -171,11 +177,13 @@ func (p *Postgres) Start(ctx context.Context) error {
 	if p.cmd != nil {
 		return errors.New("postgres already running")
 	}
-	logf, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	// The server writes through the descriptor it inherits, so only this process needs access.
+	logf, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
 	if err != nil {
 		return fmt.Errorf("postgres log: %w", err)
 	}
-	cmd := p.command(filepath.Join(p.BinDir, "postgres"), "-D", p.dataDir(),
+	// The server outlives ctx, which bounds only the start: Stop and Close end it.
+	cmd := p.command(context.WithoutCancel(ctx), filepath.Join(p.BinDir, "postgres"), "-D", p.dataDir(),
 		"-p", strconv.Itoa(p.Port),
 		"-c", "listen_addresses=127.0.0.1",
 		"-c", "unix_socket_directories="+p.Dir,
@@ -266,8 +274,9 @@ func (p *Postgres) Close() error {
 	return err
 }
 
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+func freePort(ctx context.Context) (int, error) {
+	var lc net.ListenConfig
+	l, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, fmt.Errorf("find free port: %w", err)
 	}

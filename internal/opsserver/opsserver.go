@@ -24,7 +24,8 @@ func NewRegistry() *prometheus.Registry {
 
 // Serve listens on addr until ctx ends. /readyz answers 200 while ready returns true, else 503.
 func Serve(ctx context.Context, addr string, reg *prometheus.Registry, ready func() bool) error {
-	ln, err := net.Listen("tcp", addr)
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", addr)
 	if err != nil {
 		return fmt.Errorf("metrics listener: %w", err)
 	}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"strconv"
 	"text/tabwriter"
 	"time"
@@ -16,10 +17,16 @@ func WriteJSON(w io.Writer, r *Report) error {
 	return enc.Encode(r)
 }
 
-// WriteText writes r as aligned tables, then the attention and warning lists.
+// WriteText writes r as aligned tables, then the attention and warning lists. It returns the
+// first write error.
 func WriteText(w io.Writer, r *Report) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	p := func(format string, args ...any) { fmt.Fprintf(tw, format+"\n", args...) }
+	var werr error
+	p := func(format string, args ...any) {
+		if werr == nil {
+			_, werr = fmt.Fprintf(tw, format+"\n", args...)
+		}
+	}
 
 	p("Baton status of database %s at %s", orDash(r.Database), r.GeneratedAt.Format(time.RFC3339))
 
@@ -96,7 +103,7 @@ func WriteText(w io.Writer, r *Report) error {
 				if s.LastTime != nil {
 					last = fmtAge(r.GeneratedAt.Sub(*s.LastTime)) + " ago"
 				}
-				p("  %s\t%d\t%s\t%d\t%d\t%s", s.Name, s.Messages, fmtBytes(int64(s.Bytes)), s.FirstSeq, s.LastSeq, last)
+				p("  %s\t%d\t%s\t%d\t%d\t%s", s.Name, s.Messages, fmtUBytes(s.Bytes), s.FirstSeq, s.LastSeq, last)
 			}
 		}
 		if c := st.Consumer; c != nil {
@@ -137,6 +144,9 @@ func WriteText(w io.Writer, r *Report) error {
 	if r.OK {
 		p("ok: nothing needs attention")
 	}
+	if werr != nil {
+		return werr
+	}
 	return tw.Flush()
 }
 
@@ -158,6 +168,15 @@ func fmtBytes(n int64) string {
 		f /= unit
 	}
 	return fmt.Sprintf("%.1f %ciB", f, "KMGTPE"[i-1])
+}
+
+// fmtUBytes is fmtBytes for JetStream's unsigned sizes. A size above math.MaxInt64 (8 EiB),
+// which no stream reaches, shows as math.MaxInt64.
+func fmtUBytes(n uint64) string {
+	if n > math.MaxInt64 {
+		n = math.MaxInt64
+	}
+	return fmtBytes(int64(n))
 }
 
 func fmtBytesPtr(n *int64) string {

@@ -56,7 +56,8 @@ func (l *link) close() {
 // connection, the proxy closes the client's, as a server that is down would look.
 func StartProxy(t testing.TB, target string) *Proxy {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	var lc net.ListenConfig
+	ln, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatalf("proxy to %s: listen: %v", target, err)
 	}

@@ -220,6 +220,7 @@ func TestProxyStopClosesConnections(t *testing.T) {
 		require.Equal(t, 1, p.Conns())
 	})
 	require.Zero(t, p.Conns())
-	_, err = net.DialTimeout("tcp", p.Addr(), time.Second)
+	dialer := net.Dialer{Timeout: time.Second}
+	_, err = dialer.DialContext(t.Context(), "tcp", p.Addr())
 	require.Error(t, err, "a stopped proxy must not accept connections")
 }

@@ -16,8 +16,10 @@ import (
 
 // The servers, as the tests name them.
 type (
+	// Postgres is a throwaway PostgreSQL cluster (see localsvc.Postgres).
 	Postgres = localsvc.Postgres
-	NATS     = localsvc.NATS
+	// NATS is a NATS server with JetStream in this process (see localsvc.NATS).
+	NATS = localsvc.NATS
 )
 
 // StartPostgres starts a throwaway cluster (see localsvc.StartPostgres).
