@@ -45,12 +45,12 @@ type batchCall[Req, Res any] struct {
 // errBatcherStopped is returned by calls made after the batcher stopped.
 var errBatcherStopped = errors.New("worker stopped")
 
-// newBatcher starts the runner, which executes batches of at most max calls, each bounded by
+// newBatcher starts the runner, which executes batches of at most maxCalls calls, each bounded by
 // timeout, one at a time. It stops when close is called; a batch in flight completes first.
-func newBatcher[Req, Res any](max int, linger, timeout time.Duration, size prometheus.Observer,
+func newBatcher[Req, Res any](maxCalls int, linger, timeout time.Duration, size prometheus.Observer,
 	run func(ctx context.Context, reqs []Req) ([]Res, error)) *batcher[Req, Res] {
-	ctx, stop := context.WithCancel(context.Background())
-	b := &batcher[Req, Res]{calls: make(chan *batchCall[Req, Res]), max: max, linger: linger, run: run,
+	ctx, stop := context.WithCancel(context.Background()) //nolint:gosec // G118: stop is kept in the batcher and called by close
+	b := &batcher[Req, Res]{calls: make(chan *batchCall[Req, Res]), max: maxCalls, linger: linger, run: run,
 		size: size, stop: stop, done: ctx.Done()}
 	b.wg.Go(func() {
 		for {

@@ -48,7 +48,7 @@ func ExampleWorker() {
 	w, err := consumer.New(consumer.Config{
 		Pool: pool,
 		NATS: nil, // poll agent_outbox every PollInterval (250ms) instead of consuming the relay's stream
-		Handler: func(ctx context.Context, t *consumer.Turn) (consumer.Reply, error) {
+		Handler: func(_ context.Context, t *consumer.Turn) (consumer.Reply, error) {
 			var said []string
 			for _, m := range t.Messages { // the user messages this turn answers, in order
 				said = append(said, m.Content)
@@ -112,12 +112,12 @@ func ExampleTurn_Tool() {
 	}
 
 	// lookUpOrder stands in for the application's own read-only service call.
-	lookUpOrder := func(ctx context.Context, id string) (map[string]string, error) {
+	lookUpOrder := func(_ context.Context, id string) (map[string]string, error) {
 		return map[string]string{"order": id, "status": "shipped"}, nil
 	}
 	w, err := consumer.New(consumer.Config{
 		Pool: pool,
-		Handler: func(ctx context.Context, t *consumer.Turn) (consumer.Reply, error) {
+		Handler: func(_ context.Context, t *consumer.Turn) (consumer.Reply, error) {
 			out, err := t.Tool(ctx, "order_status", consumer.Read, map[string]string{"order": "A17"},
 				func(ctx context.Context) (any, error) { return lookUpOrder(ctx, "A17") })
 			if err != nil { // errors.Is(err, consumer.ErrToolFailed) when lookUpOrder failed

@@ -64,15 +64,15 @@ func detail(err error) string {
 }
 
 // sanitize makes s storable as Postgres text: invalid UTF-8 becomes U+FFFD, NUL bytes are
-// dropped, and it is cut to at most max bytes on a rune boundary, marked with "…".
-func sanitize(s string, max int) string {
+// dropped, and it is cut to at most limit bytes on a rune boundary, marked with "…".
+func sanitize(s string, limit int) string {
 	s = strings.ToValidUTF8(s, "\uFFFD")
 	s = strings.ReplaceAll(s, "\x00", "")
-	if len(s) <= max {
+	if len(s) <= limit {
 		return s
 	}
 	const more = "…"
-	cut := max - len(more)
+	cut := limit - len(more)
 	for cut > 0 && !utf8.RuneStart(s[cut]) {
 		cut--
 	}

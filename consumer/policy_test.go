@@ -66,13 +66,13 @@ func TestSanitize(t *testing.T) {
 func FuzzSanitize(f *testing.F) {
 	f.Add("hello", 5)
 	f.Add("a\x00\xff\xfeé", 3)
-	f.Fuzz(func(t *testing.T, s string, max int) {
-		if max < 4 || max > 1<<16 {
-			max = 4 + (max&0xff+0xff)%0xff
+	f.Fuzz(func(t *testing.T, s string, limit int) {
+		if limit < 4 || limit > 1<<16 {
+			limit = 4 + (limit&0xff+0xff)%0xff
 		}
-		got := sanitize(s, max)
-		if !utf8.ValidString(got) || strings.ContainsRune(got, 0) || len(got) > max {
-			t.Fatalf("sanitize(%q, %d) = %q", s, max, got)
+		got := sanitize(s, limit)
+		if !utf8.ValidString(got) || strings.ContainsRune(got, 0) || len(got) > limit {
+			t.Fatalf("sanitize(%q, %d) = %q", s, limit, got)
 		}
 	})
 }

@@ -181,7 +181,7 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 		}{replies[i], r.ids})
 		answers[i] = string(a)
 		ids = append(ids, r.ids...)
-		counts[i] = int32(len(r.ids))
+		counts[i] = int32(len(r.ids)) //nolint:gosec // G115: a run holds at most MaxTurnMessages rows
 	}
 	batch := &pgx.Batch{}
 	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())

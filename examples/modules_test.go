@@ -55,8 +55,8 @@ func TestExamplesBuildAsTheirOwnModule(t *testing.T) {
 			copyPackage(t, dir, mod)
 			goMod := "module example.com/x\n\n" + goDirective + "\n\nrequire github.com/batonhq/baton v0.0.0\n\n" +
 				"replace github.com/batonhq/baton => " + root + "\n"
-			require.NoError(t, os.WriteFile(filepath.Join(mod, "go.mod"), []byte(goMod), 0o644))
-			require.NoError(t, os.WriteFile(filepath.Join(mod, "go.sum"), goSum, 0o644))
+			require.NoError(t, os.WriteFile(filepath.Join(mod, "go.mod"), []byte(goMod), 0o600))
+			require.NoError(t, os.WriteFile(filepath.Join(mod, "go.sum"), goSum, 0o600))
 
 			tidy, _ := goCommand(t, mod, "mod", "tidy", "-e")
 			build, ok := goCommand(t, mod, "build", "-o", filepath.Join(t.TempDir(), "example"), ".")
@@ -167,7 +167,7 @@ func copyPackage(t *testing.T, src, dst string) {
 		}
 		b, err := os.ReadFile(filepath.Join(src, e.Name()))
 		require.NoError(t, err)
-		require.NoError(t, os.WriteFile(filepath.Join(dst, e.Name()), b, 0o644))
+		require.NoError(t, os.WriteFile(filepath.Join(dst, e.Name()), b, 0o600))
 		if isSource(e.Name()) {
 			copied++
 		}

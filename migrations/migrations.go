@@ -75,8 +75,11 @@ func Print(w io.Writer, o Options) error {
 		return err
 	}
 	schema := pgx.Identifier{o.Schema}.Sanitize()
-	fmt.Fprintf(w, "-- Baton schema, versions 1 to %d, in schema %s, publication %s.\n", Latest(), o.Schema, o.Publication)
-	fmt.Fprintf(w, "-- Each version is one transaction; a version already recorded in %s is skipped by baton migrate, not by this script.\n", Table)
+	if _, err := fmt.Fprintf(w, "-- Baton schema, versions 1 to %d, in schema %s, publication %s.\n"+
+		"-- Each version is one transaction; a version already recorded in %s is skipped by baton migrate, not by this script.\n",
+		Latest(), o.Schema, o.Publication, Table); err != nil {
+		return err
+	}
 	for _, m := range all {
 		_, err := fmt.Fprintf(w, "\n-- Version %d: %s\nBEGIN;\nSELECT pg_advisory_xact_lock(%d);\nCREATE SCHEMA IF NOT EXISTS %s;\nSET LOCAL search_path TO %s;\n%s;\n%s\nINSERT INTO %s (version, name) VALUES (%d, '%s');\nCOMMIT;\n",
 			m.Version, m.Name, lockKey, schema, schema, createTable(o), strings.TrimSpace(o.Render(m)), o.table(), m.Version, m.Name)

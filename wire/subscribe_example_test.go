@@ -29,7 +29,7 @@ func ExampleOutcomeSubscriber() {
 		NATS:           nc,
 		Durable:        "notifier", // JetStream keeps this subscriber's position under this name
 		ConversationID: "conv-42",  // leave empty for every conversation's outcomes
-		Handler: func(ctx context.Context, o wire.Outcome) error {
+		Handler: func(_ context.Context, o wire.Outcome) error {
 			fmt.Printf("seq=%d %s %s: %s\n", o.StreamSeq, o.Event.ConversationID, o.Event.Role, o.Event.Content)
 			if o.Event.Role == "error" {
 				cancel() // enough for this example: stop

@@ -23,13 +23,13 @@ transaction, logs each version it applied and prints the version the schema is a
 It is safe to run at every start and from many processes at once. Baton's tables go into
 the schema BATON_SCHEMA names, created when missing. With --print it writes the SQL instead,
 for teams that apply migrations with their own tool, and needs no database.`, stderr)
-	print := fs.Bool("print", false, "write the migrations as one SQL script to stdout instead of applying them")
+	printSQL := fs.Bool("print", false, "write the migrations as one SQL script to stdout instead of applying them")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvSchema, config.EnvPublication)
 	if err != nil {
 		return err
 	}
 	opts := migrations.Options{Schema: cfg.Schema, Publication: cfg.Publication}
-	if *print {
+	if *printSQL {
 		return migrations.Print(stdout, opts)
 	}
 	if err := cfg.Require(config.EnvDatabaseURL); err != nil {

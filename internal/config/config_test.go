@@ -251,7 +251,7 @@ func TestSecretsNeverReachOutput(t *testing.T) {
 		"%v":   fmt.Sprintf("%v", c),
 		"%+v":  fmt.Sprintf("%+v", c),
 		"%#v":  fmt.Sprintf("%#v", c),
-		"%s":   fmt.Sprintf("%s", c),
+		"%s":   fmt.Sprintf("%s", c), //nolint:staticcheck // S1025: what the %s verb prints is the point
 	}
 	for name, out := range outputs {
 		for _, s := range secrets {

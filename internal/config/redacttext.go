@@ -144,8 +144,8 @@ func (v *valueScanner) value(i int) (start, end int, ok bool) {
 		return 0, 0, false
 	}
 	if c := v.s[i]; c == '"' || c == '\'' {
-		if close, ok := v.closingQuote(i); ok {
-			return i + 1, close, true
+		if end, ok := v.closingQuote(i); ok {
+			return i + 1, end, true
 		}
 		i++
 	}
