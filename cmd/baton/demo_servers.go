@@ -8,7 +8,7 @@ import (
 	"os"
 
 	"github.com/batonhq/baton/internal/config"
-	"github.com/batonhq/baton/internal/localsvc"
+	"github.com/batonhq/baton/internal/throwaway"
 )
 
 // demoPostgres starts a throwaway PostgreSQL cluster when cfg names no database, and sets
@@ -21,7 +21,7 @@ func demoPostgres(ctx context.Context, cfg *config.Config, runID string, out io.
 		return func() error { return nil }, nil
 	}
 	fmt.Fprintf(out, "starting a throwaway PostgreSQL cluster (BATON_DATABASE_URL is not set)\n")
-	pg, err := localsvc.StartPostgres(ctx)
+	pg, err := throwaway.StartPostgres(ctx)
 	if err != nil {
 		return nil, noPostgresError(err)
 	}
@@ -37,7 +37,7 @@ func demoPostgres(ctx context.Context, cfg *config.Config, runID string, out io.
 
 // noPostgresError says how to give the demo a PostgreSQL when the server binaries are missing.
 func noPostgresError(err error) error {
-	if !errors.Is(err, localsvc.ErrNoPostgres) {
+	if !errors.Is(err, throwaway.ErrNoPostgres) {
 		return fmt.Errorf("start a throwaway PostgreSQL: %w", err)
 	}
 	return errors.New("the demo needs PostgreSQL and found no server binaries (initdb, postgres) to start a " +
@@ -66,7 +66,7 @@ func demoNATS(cfg *config.Config, out io.Writer) (stop func() error, err error) 
 		}
 		return nil
 	}
-	srv, err := localsvc.RunNATS(dir, 0)
+	srv, err := throwaway.StartNATS(dir, 0)
 	if err != nil {
 		_ = removeStore() // the start error is the one to report
 		return nil, fmt.Errorf("start an embedded NATS server: %w", err)

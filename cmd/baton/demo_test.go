@@ -21,8 +21,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/consumer"
-	"github.com/batonhq/baton/internal/localsvc"
 	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/internal/throwaway"
 )
 
 // demoProcessEnv makes TestDemoProcess run `baton` with the arguments after "--".
@@ -319,7 +319,7 @@ func TestDemoUsageErrors(t *testing.T) {
 
 func TestDemoNoPostgresError(t *testing.T) {
 	t.Parallel()
-	msg := noPostgresError(localsvc.ErrNoPostgres).Error()
+	msg := noPostgresError(throwaway.ErrNoPostgres).Error()
 	require.Contains(t, msg, "apt-get install -y postgresql")
 	require.Contains(t, msg, "BATON_DATABASE_URL")
 	require.NotContains(t, msg, "BATON_TEST_DATABASE_URL", "the demo does not read the tests' variable")

@@ -16,7 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/goleak"
 
-	"github.com/batonhq/baton/internal/localsvc"
+	"github.com/batonhq/baton/internal/throwaway"
 	"github.com/batonhq/baton/migrations"
 )
 
@@ -88,7 +88,7 @@ func setupShared() error {
 	raw := os.Getenv(EnvDatabaseURL)
 	if raw == "" {
 		pg, err := StartPostgres(ctx)
-		if errors.Is(err, localsvc.ErrNoPostgres) {
+		if errors.Is(err, throwaway.ErrNoPostgres) {
 			return ErrNoPostgres
 		}
 		if err != nil {

@@ -1,8 +1,8 @@
-// Package localsvc starts throwaway local servers: a PostgreSQL cluster (initdb,
-// wal_level=logical) from the machine's server binaries, and a NATS server with JetStream in this
-// process. The demo runs on them and the tests (through internal/testsvc) own them, so they can
-// stop, crash and restart them on the same port and data directory.
-package localsvc
+// Package throwaway starts local servers that last no longer than the process that starts
+// them: a PostgreSQL cluster in a temporary directory (initdb, wal_level=logical), run from the
+// machine's server binaries, and a NATS server with JetStream inside this process. `baton demo`
+// runs on them when it is given no servers of its own.
+package throwaway
 
 import (
 	"bytes"
@@ -28,20 +28,23 @@ import (
 var ErrNoPostgres = errors.New("PostgreSQL server binaries (initdb, postgres) not found: " +
 	"install them (Debian/Ubuntu: `apt-get install -y postgresql`) or put their directory on PATH via pg_config")
 
-// Postgres is a throwaway PostgreSQL cluster in a temporary directory.
+// Postgres is a throwaway PostgreSQL cluster in a temporary directory, and its server.
 type Postgres struct {
-	BinDir  string
-	Dir     string // parent temp dir; data lives in Dir/data
-	Port    int
-	cred    *syscall.Credential // non-nil when running as root: run the server as user postgres
-	mu      sync.Mutex
-	cmd     *exec.Cmd
-	exited  chan struct{}
-	logPath string
+	// Dir is the temporary directory: it holds the data directory (Dir/data), the server's
+	// log (Dir/postgres.log) and its Unix socket. Close removes it.
+	Dir string
+	// Port is the TCP port the server listens on, on 127.0.0.1.
+	Port int
+
+	binDir string
+	cred   *syscall.Credential // non-nil when running as root: the server runs as user postgres
+	mu     sync.Mutex
+	cmd    *exec.Cmd // the running server; nil when it is not running
+	exited chan struct{}
 }
 
-// FindBinDir returns the directory holding initdb and postgres.
-func FindBinDir(ctx context.Context) (string, error) {
+// findBinDir returns the directory holding initdb and postgres.
+func findBinDir(ctx context.Context) (string, error) {
 	var candidates []string
 	if out, err := exec.CommandContext(ctx, "pg_config", "--bindir").Output(); err == nil {
 		candidates = append(candidates, strings.TrimSpace(string(out)))
@@ -70,9 +73,10 @@ func isExec(path string) bool {
 	return err == nil && !st.IsDir() && st.Mode()&0o111 != 0
 }
 
-// StartPostgres runs initdb in a new temp directory and starts the server on a free port.
+// StartPostgres runs initdb in a new temp directory and starts the server on a free port. Close
+// stops it and removes the directory.
 func StartPostgres(ctx context.Context) (*Postgres, error) {
-	bin, err := FindBinDir(ctx)
+	bin, err := findBinDir(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -80,7 +84,7 @@ func StartPostgres(ctx context.Context) (*Postgres, error) {
 	if err != nil {
 		return nil, fmt.Errorf("postgres temp dir: %w", err)
 	}
-	p := &Postgres{BinDir: bin, Dir: dir, logPath: filepath.Join(dir, "postgres.log")}
+	p := &Postgres{Dir: dir, binDir: bin}
 	if os.Geteuid() == 0 {
 		// initdb and postgres refuse to run as root.
 		u, err := user.Lookup("postgres")
@@ -106,8 +110,8 @@ func StartPostgres(ctx context.Context) (*Postgres, error) {
 		_ = os.RemoveAll(dir)
 		return nil, fmt.Errorf("initdb: %w: %s", err, out)
 	}
-	// Settings go to postgresql.conf, not the command line, so a test can still change them
-	// with ALTER SYSTEM (command-line settings would override it).
+	// Settings go to postgresql.conf, not the command line, so ALTER SYSTEM can still change
+	// them (command-line settings would override it).
 	if err := appendFile(filepath.Join(p.dataDir(), "postgresql.conf"), serverSettings); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
@@ -116,7 +120,7 @@ func StartPostgres(ctx context.Context) (*Postgres, error) {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
-	if err := p.Start(ctx); err != nil {
+	if err := p.StartServer(ctx); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
@@ -124,9 +128,10 @@ func StartPostgres(ctx context.Context) (*Postgres, error) {
 }
 
 // serverSettings are what every throwaway cluster runs with: logical replication, room for
-// many tests' slots, and no fsync (a killed process loses nothing the OS already has).
+// many replication slots and connections at once, and no fsync (the cluster lives no longer
+// than the process; a killed server loses nothing the OS already has).
 const serverSettings = `
-# baton test cluster
+# baton throwaway cluster
 wal_level = logical
 max_replication_slots = 64
 max_wal_senders = 64
@@ -154,36 +159,39 @@ func appendFile(path, text string) error {
 
 func (p *Postgres) dataDir() string { return filepath.Join(p.Dir, "data") }
 
-// command runs name, a binary from BinDir, in the cluster's directory as the cluster's user.
+func (p *Postgres) logPath() string { return filepath.Join(p.Dir, "postgres.log") }
+
+// command runs name, a binary from binDir, in the cluster's directory as the cluster's user.
 // ctx kills it when it ends.
 func (p *Postgres) command(ctx context.Context, name string, args ...string) *exec.Cmd {
-	cmd := exec.CommandContext(ctx, name, args...) //nolint:gosec // G204: initdb or postgres from FindBinDir
+	cmd := exec.CommandContext(ctx, name, args...) //nolint:gosec // G204: initdb or postgres from findBinDir
 	cmd.Dir = p.Dir
 	cmd.Env = append(os.Environ(), "LC_ALL=C")
 	cmd.SysProcAttr = &syscall.SysProcAttr{
 		Credential: p.cred,
 		Setpgid:    true,
-		// The server dies with the test binary, even when the test panics or is killed.
+		// The server dies with this process, even when it panics or is killed.
 		Pdeathsig: syscall.SIGKILL,
 	}
 	return cmd
 }
 
-// Start starts (or restarts) the server on p.Port with the existing data directory and waits
-// until it accepts connections.
-func (p *Postgres) Start(ctx context.Context) error {
+// StartServer starts the server on the cluster's data directory and Port, and waits until it
+// accepts connections; it fails when the server is running. StartPostgres starts it, and after
+// StopServer it starts it again on the same port and data.
+func (p *Postgres) StartServer(ctx context.Context) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.cmd != nil {
 		return errors.New("postgres already running")
 	}
 	// The server writes through the descriptor it inherits, so only this process needs access.
-	logf, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	logf, err := os.OpenFile(p.logPath(), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
 	if err != nil {
 		return fmt.Errorf("postgres log: %w", err)
 	}
-	// The server outlives ctx, which bounds only the start: Stop and Close end it.
-	cmd := p.command(context.WithoutCancel(ctx), filepath.Join(p.BinDir, "postgres"), "-D", p.dataDir(),
+	// The server outlives ctx, which bounds only the start: StopServer and Close end it.
+	cmd := p.command(context.WithoutCancel(ctx), filepath.Join(p.binDir, "postgres"), "-D", p.dataDir(),
 		"-p", strconv.Itoa(p.Port),
 		"-c", "listen_addresses=127.0.0.1",
 		"-c", "unix_socket_directories="+p.Dir,
@@ -227,7 +235,7 @@ func (p *Postgres) Start(ctx context.Context) error {
 }
 
 func (p *Postgres) logTail() string {
-	b, _ := os.ReadFile(p.logPath)
+	b, _ := os.ReadFile(p.logPath())
 	if len(b) > 2000 {
 		b = b[len(b)-2000:]
 	}
@@ -239,14 +247,11 @@ func (p *Postgres) URL(db string) string {
 	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", p.Port, db)
 }
 
-// Stop shuts the server down cleanly (fast shutdown: sessions are disconnected, a checkpoint runs).
-func (p *Postgres) Stop() error { return p.signal(syscall.SIGINT) }
-
-// Crash stops the server the way a power cut would look to clients: immediate shutdown, no
-// checkpoint; the next Start runs crash recovery.
-func (p *Postgres) Crash() error { return p.signal(syscall.SIGQUIT) }
-
-func (p *Postgres) signal(sig syscall.Signal) error {
+// StopServer stops the server with sig, PostgreSQL's choice of shutdown mode, and waits until it
+// has exited (killing it after 60s); it does nothing when the server is not running. The data
+// directory stays. syscall.SIGINT is a fast shutdown (sessions are disconnected, a checkpoint
+// runs), syscall.SIGQUIT an immediate one (no checkpoint: the next start recovers from the WAL).
+func (p *Postgres) StopServer(sig syscall.Signal) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.cmd == nil {
@@ -265,9 +270,9 @@ func (p *Postgres) signal(sig syscall.Signal) error {
 	return nil
 }
 
-// Close stops the server and removes its directory.
+// Close stops the server (fast shutdown) and removes its directory.
 func (p *Postgres) Close() error {
-	err := p.Stop()
+	err := p.StopServer(syscall.SIGINT)
 	if rmErr := os.RemoveAll(p.Dir); rmErr != nil && err == nil {
 		err = fmt.Errorf("remove %s: %w", p.Dir, rmErr)
 	}
