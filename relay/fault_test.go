@@ -254,8 +254,10 @@ func TestNATSOutageConfirmsOnlyAcknowledged(t *testing.T) {
 	}
 	require.Eventually(t, func() bool { return len(b.readStream(t, "AGENT_TURNS")) > 500 }, time.Minute, 50*time.Millisecond)
 
-	stopped := time.Now()
 	b.nats.Stop()
+	// After Stop returned: a message stored while the server was stopping was acknowledged
+	// before it went away, and may be confirmed.
+	stopped := time.Now()
 	// During the outage the slot must not move past what JetStream acknowledged.
 	var confirmedDuring uint64
 	for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(200 * time.Millisecond) {
