@@ -12,11 +12,12 @@ import (
 )
 
 // fakePipeline is a pipeline whose publishes are recorded instead of sent, so the delivery
-// rules can be checked step by step.
+// rules can be checked step by step. Replies are given to it by the test (reply, ack).
 type fakePipeline struct {
 	*pipeline
-	sent []*nats.Msg
-	ids  map[*nats.Msg]uint64 // the id each message was published with
+	sent   []*nats.Msg
+	ids    map[*nats.Msg]uint64  // the id each message was published with
+	refuse func(*nats.Msg) error // when set, the error of a send (nil: sent)
 }
 
 func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
@@ -24,14 +25,26 @@ func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
 	var confirmed atomic.Uint64
 	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}, MaxInFlight: maxPending}
 	require.NoError(t, cfg.fill())
-	p := initPipeline(maxPending, DefaultMaxInFlightBytes, cfg.AckTimeout, newMetrics(nil), &confirmed)
-	f := &fakePipeline{pipeline: p, ids: map[*nats.Msg]uint64{}}
-	p.send = func(msg *nats.Msg, id uint64) error {
+	f := &fakePipeline{ids: map[*nats.Msg]uint64{}}
+	f.pipeline = newPipeline(&cfg, newMetrics(nil), &confirmed, f.openFake)
+	_, ok := f.openSend() // as the sender does first
+	require.True(t, ok)
+	return f
+}
+
+// openFake is the fake's openSender: it records what is sent, and replies come from the test.
+func (f *fakePipeline) openFake(func(ackResult)) (sendFunc, func(), error) {
+	send := func(msg *nats.Msg, id uint64) error {
+		if f.refuse != nil {
+			if err := f.refuse(msg); err != nil {
+				return err
+			}
+		}
 		f.sent = append(f.sent, msg)
 		f.ids[msg] = id
 		return nil
 	}
-	return f
+	return send, func() {}, nil
 }
 
 // step handles items and sends what they queued, as the sender would.
@@ -134,12 +147,11 @@ func TestPublishErrorEndsThePipeline(t *testing.T) {
 // like a failed PubAck: nothing queued behind it goes out, nothing is confirmed.
 func TestSendErrorEndsThePipeline(t *testing.T) {
 	f := newFakePipeline(t, 100)
-	send := f.send
-	f.send = func(msg *nats.Msg, id uint64) error {
+	f.refuse = func(msg *nats.Msg) error {
 		if msg.Subject == "b" {
 			return errors.New("boom")
 		}
-		return send(msg, id)
+		return nil
 	}
 	a1, _ := event("a")
 	b1, _ := event("b")

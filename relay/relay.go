@@ -398,7 +398,7 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (int64, error) {
 	cfg := &r.cfg
 	var discard atomic.Uint64
-	p := newPipeline(cfg.NATS, cfg, r.m, &discard)
+	p := newPipeline(cfg, r.m, &discard, natsSender(cfg.NATS))
 	var n int64
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return p.run(gctx.Done(), nil, 0) })
@@ -516,7 +516,7 @@ func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''
 // one fails or ctx ends.
 func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn) error {
 	cfg := &r.cfg
-	p := newPipeline(cfg.NATS, cfg, r.m, &r.confirmed)
+	p := newPipeline(cfg, r.m, &r.confirmed, natsSender(cfg.NATS))
 	g, gctx := errgroup.WithContext(context.WithoutCancel(ctx))
 	stopping := ctx.Done()
 	g.Go(func() error {
