@@ -647,41 +647,30 @@ func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline
 		switch msg := raw.(type) {
 		case *pgproto3.CopyData:
 			live.heard()
-			if len(msg.Data) == 0 {
-				continue
+			cd, err := dec.parseCopyData(msg.Data)
+			if err != nil {
+				if errors.Is(err, errDecode) {
+					r.m.errors.WithLabelValues("decode").Inc()
+				}
+				return err
 			}
-			switch msg.Data[0] {
-			case pglogrepl.PrimaryKeepaliveMessageByteID:
-				ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(msg.Data[1:])
-				if err != nil {
-					return fmt.Errorf("parse keepalive: %w", err)
+			switch it := cd.it; it.kind {
+			case itemNone:
+			case itemKeepalive:
+				if c := r.confirmed.Load(); uint64(it.lsn) > c {
+					r.m.slotLagBytes.Set(float64(uint64(it.lsn) - c))
 				}
-				if c := r.confirmed.Load(); uint64(ka.ServerWALEnd) > c {
-					r.m.slotLagBytes.Set(float64(uint64(ka.ServerWALEnd) - c))
-				}
-				if err := put(item{kind: itemKeepalive, lsn: ka.ServerWALEnd}); err != nil {
+				if err := put(it); err != nil {
 					return stoppedIsNil(err)
 				}
-				if ka.ReplyRequested {
+				if cd.replyRequested {
 					if err := sendStatus(); err != nil {
 						return err
 					}
 				}
-			case pglogrepl.XLogDataByteID:
-				xld, err := pglogrepl.ParseXLogData(msg.Data[1:])
-				if err != nil {
-					return fmt.Errorf("parse xlogdata: %w", err)
-				}
-				it, err := dec.decodeAt(xld.WALStart, xld.WALData)
-				if err != nil {
-					r.m.errors.WithLabelValues("decode").Inc()
-					return fmt.Errorf("decode at %s: %w", xld.WALStart, err)
-				}
-				if it.kind == itemNone {
-					continue
-				}
+			default:
 				if it.deadLetter != "" {
-					logSetAside(cfg.Logger, it, "lsn", xld.WALStart)
+					logSetAside(cfg.Logger, it, "lsn", cd.at)
 				}
 				if err := put(it); err != nil {
 					return stoppedIsNil(err)
