@@ -13,7 +13,6 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"golang.org/x/sync/errgroup"
@@ -496,19 +495,6 @@ func logSetAside(log *slog.Logger, it item, at ...any) {
 		append(at, "kind", it.deadLetter, "subject", it.msg.Subject, "reason", it.reason)...)
 }
 
-// errSilent ends a session whose replication stream went silent: no CopyData arrived within
-// silenceBound of a status update that asked for a reply.
-var errSilent = errors.New("replication stream silent")
-
-// stoppedIsNil returns nil for errStopped: the reader stops because the pipeline did, whose
-// error is the session's.
-func stoppedIsNil(err error) error {
-	if errors.Is(err, errStopped) {
-		return nil
-	}
-	return err
-}
-
 // quoteLiteral quotes s as an SQL string literal (SET TRANSACTION SNAPSHOT takes no parameters).
 func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 
@@ -527,160 +513,6 @@ func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn) error {
 		}
 		return err
 	})
-	g.Go(func() error { return r.read(ctx, gctx, repl, p) })
+	g.Go(func() error { return r.newReader(repl, p).run(ctx, gctx) })
 	return g.Wait()
-}
-
-// read receives the replication stream, decodes it into p, and reports the confirmed LSN to
-// Postgres every StatusInterval and whenever the server asks. When ctx ends it stops reading,
-// waits for p to drain, and sends a last status before returning nil.
-//
-// It owns the replication connection: only this goroutine reads from or writes to it. Reads
-// wait with a network deadline at the next status time (set once per period, not per message),
-// and ending ctx or gctx moves that deadline to now.
-func (r *Relay) read(ctx, gctx context.Context, repl *pgconn.PgConn, p *pipeline) error {
-	cfg := &r.cfg
-	dec := newDecoder(cfg.Schema, cfg.SubjectPrefix, int(r.maxPayload))
-	netConn := repl.Conn()
-	wake := func() { _ = netConn.SetReadDeadline(time.Now()) }
-	defer context.AfterFunc(ctx, wake)()
-	defer context.AfterFunc(gctx, wake)()
-
-	live := liveness{bound: silenceBound(cfg.StatusInterval)}
-	sendStatus := func() error {
-		lsn := pglogrepl.LSN(r.confirmed.Load())
-		// Write, flush and apply all set explicitly: pglogrepl copies the write position into
-		// zero fields, and the flush position is what the server treats as confirmed. Every
-		// update asks for a reply, the walsender's keepalive, which proves the stream alive.
-		now := time.Now()
-		err := pglogrepl.SendStandbyStatusUpdate(gctx, repl, pglogrepl.StandbyStatusUpdate{
-			WALWritePosition: lsn, WALFlushPosition: lsn, WALApplyPosition: lsn, ClientTime: now,
-			ReplyRequested: true,
-		})
-		if err != nil {
-			return fmt.Errorf("send standby status at %s: %w", lsn, err)
-		}
-		live.requested(now)
-		return nil
-	}
-	nextStatus := time.Now()
-	statusDue := func() error {
-		if time.Now().Before(nextStatus) {
-			return nil
-		}
-		nextStatus = time.Now().Add(cfg.StatusInterval)
-		if err := netConn.SetReadDeadline(nextStatus); err != nil {
-			return fmt.Errorf("set read deadline: %w", err)
-		}
-		return sendStatus()
-	}
-	// put hands one item to the pipeline, which publishes an event at once. While the pipeline
-	// is full (MaxInFlight events outstanding) it waits, keeping status updates flowing. It
-	// returns errStopped when the pipeline failed or stopped: the pipeline's error is the
-	// session's.
-	put := func(it item) error {
-		for {
-			ok, err := p.add(it)
-			if ok || err != nil {
-				return err
-			}
-			wait := time.NewTimer(time.Until(nextStatus))
-			select {
-			case <-p.room:
-			case <-p.failed: // add says so
-			case <-gctx.Done():
-				wait.Stop()
-				return errStopped
-			case <-ctx.Done():
-				// Stopping: the loop closes the input. An item not added is of a transaction
-				// that is not confirmed, so it is replayed.
-				wait.Stop()
-				return nil
-			case <-wait.C:
-				if err := statusDue(); err != nil {
-					wait.Stop()
-					return err
-				}
-			}
-			wait.Stop()
-		}
-	}
-
-	for {
-		if ctx.Err() != nil {
-			// An unfinished transaction is never confirmed: it is replayed from the confirmed
-			// LSN, which never passes it, and its events already published are deduplicated.
-			p.closeInput()
-			select {
-			case <-p.done:
-			case <-time.After(cfg.DrainTimeout + time.Second):
-			}
-			err := sendStatus()
-			cfg.Logger.Info("relay stopped", "lsn", r.Confirmed())
-			return err
-		}
-		if gctx.Err() != nil {
-			return nil // the pipeline failed; its error is the session's
-		}
-		if err := statusDue(); err != nil {
-			return err
-		}
-		if ctx.Err() != nil || gctx.Err() != nil {
-			continue // the deadline just set may have overwritten a wake-up
-		}
-		raw, err := repl.ReceiveMessage(context.Background())
-		if err != nil {
-			if pgconn.Timeout(err) {
-				// Nothing to read. A dead path (a host or middlebox that drops packets and
-				// keeps the socket open) looks like this forever; an idle database does not,
-				// because the walsender answers every status update.
-				if dead, waited := live.dead(time.Now()); dead {
-					r.m.errors.WithLabelValues("liveness").Inc()
-					return fmt.Errorf("%w: no answer from the walsender for %s (bound %s); reconnecting",
-						errSilent, waited.Round(time.Millisecond), live.bound)
-				}
-				continue
-			}
-			r.m.errors.WithLabelValues("postgres").Inc()
-			return fmt.Errorf("receive replication message: %w", err)
-		}
-		switch msg := raw.(type) {
-		case *pgproto3.CopyData:
-			live.heard()
-			cd, err := dec.parseCopyData(msg.Data)
-			if err != nil {
-				if errors.Is(err, errDecode) {
-					r.m.errors.WithLabelValues("decode").Inc()
-				}
-				return err
-			}
-			switch it := cd.it; it.kind {
-			case itemNone:
-			case itemKeepalive:
-				if c := r.confirmed.Load(); uint64(it.lsn) > c {
-					r.m.slotLagBytes.Set(float64(uint64(it.lsn) - c))
-				}
-				if err := put(it); err != nil {
-					return stoppedIsNil(err)
-				}
-				if cd.replyRequested {
-					if err := sendStatus(); err != nil {
-						return err
-					}
-				}
-			default:
-				if it.deadLetter != "" {
-					logSetAside(cfg.Logger, it, "lsn", cd.at)
-				}
-				if err := put(it); err != nil {
-					return stoppedIsNil(err)
-				}
-			}
-		case *pgproto3.ErrorResponse:
-			r.m.errors.WithLabelValues("postgres").Inc()
-			return fmt.Errorf("replication stream: %w", pgconn.ErrorResponseToPgError(msg))
-		case *pgproto3.CopyDone:
-			return errors.New("server ended the replication stream")
-		}
-	}
 }
