@@ -112,27 +112,6 @@ type txEntry struct {
 	commitTime time.Time
 }
 
-// sendFunc publishes msg, the event the pipeline numbered id. Its reply reaches the deliver
-// function given to the openSender that returned it.
-type sendFunc func(msg *nats.Msg, id uint64) error
-
-// openSender starts publishing for one pipeline: it routes the reply to every event the
-// returned send publishes to deliver, and returns send with a function that stops the routing.
-// The pipeline calls it once, on its sender goroutine (see sendLoop). natsSender is the one
-// that publishes to JetStream.
-type openSender func(deliver func(ackResult)) (send sendFunc, stop func(), err error)
-
-// natsSender returns the openSender of a publisher on nc.
-func natsSender(nc *nats.Conn) openSender {
-	return func(deliver func(ackResult)) (sendFunc, func(), error) {
-		pub, err := newPublisher(nc, deliver)
-		if err != nil {
-			return nil, nil, err
-		}
-		return pub.publish, pub.close, nil
-	}
-}
-
 // newPipeline returns a pipeline with cfg's limits (MaxInFlight, MaxInFlightBytes,
 // AckTimeout) that publishes through open and stores the LSN it makes safe to confirm in
 // confirmed.
