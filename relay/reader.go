@@ -56,16 +56,16 @@ func (r *Relay) newReader(repl *pgconn.PgConn, p *pipeline) *reader {
 // silenceBound of a status update that asked for a reply.
 var errSilent = errors.New("replication stream silent")
 
-// run reads until an error, the pipeline's failure (gctx ends; it returns nil, the pipeline's
-// error being the session's) or ctx ends: then it stops reading, waits for the pipeline to
-// drain, and sends a last status before returning nil.
+// run reads until an error, until the pipeline stops (gctx ends, or an add finds it stopped:
+// it returns nil, the pipeline's error being the session's), or until ctx ends: then it stops
+// reading and drains, and returns the error of the last status update, if any.
 func (rd *reader) run(ctx, gctx context.Context) error {
 	wake := func() { _ = rd.conn.SetReadDeadline(time.Now()) }
 	defer context.AfterFunc(ctx, wake)()
 	defer context.AfterFunc(gctx, wake)()
 	for {
 		if ctx.Err() != nil {
-			return rd.stop(gctx)
+			return rd.drain(gctx)
 		}
 		if gctx.Err() != nil {
 			return nil // the pipeline failed; its error is the session's
@@ -82,11 +82,11 @@ func (rd *reader) run(ctx, gctx context.Context) error {
 	}
 }
 
-// stop ends a graceful stop: an unfinished transaction is never confirmed (it is replayed
-// from the confirmed LSN, which never passes it, and its events already published are
-// deduplicated), so it closes the pipeline's input, waits for it to drain, and reports what it
-// confirmed.
-func (rd *reader) stop(gctx context.Context) error {
+// drain ends the session gracefully: it closes the pipeline's input, waits for the pipeline
+// to finish (see pipeline.run), and reports what it confirmed. An unfinished transaction is
+// never confirmed: it is replayed from the confirmed LSN, which never passes it, and its
+// events already published are deduplicated.
+func (rd *reader) drain(gctx context.Context) error {
 	rd.p.closeInput()
 	select {
 	case <-rd.p.done:
@@ -186,7 +186,7 @@ func (rd *reader) put(ctx, gctx context.Context, it item) error {
 			return errStopped
 		case <-ctx.Done():
 			wait.Stop()
-			return nil // run stops at its next turn and closes the input
+			return nil // run drains at its next turn
 		case <-wait.C:
 			if err := rd.statusDue(gctx); err != nil {
 				wait.Stop()
