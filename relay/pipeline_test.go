@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"context"
 	"errors"
 	"sync/atomic"
 	"testing"
@@ -247,4 +248,51 @@ func TestAckTimeoutCountsFromTheSend(t *testing.T) {
 	f.sendQueued()
 	require.NoError(t, f.tick(time.Now()))
 	require.ErrorContains(t, f.tick(time.Now().Add(2*f.ackTimeout)), "no PubAck within")
+}
+
+// The sender goroutine publishes through the openSender the pipeline was given and stops what
+// it opened: with one that acknowledges each publish at once, run confirms the transaction and
+// returns once the input is closed.
+func TestRunPublishesThroughItsSender(t *testing.T) {
+	var confirmed atomic.Uint64
+	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}}
+	require.NoError(t, cfg.fill())
+	var sent, stopped atomic.Int64
+	p := newPipeline(&cfg, newMetrics(nil), &confirmed, func(deliver func(ackResult)) (sendFunc, func(), error) {
+		send := func(_ *nats.Msg, id uint64) error {
+			sent.Add(1)
+			deliver(ackResult{id: id})
+			return nil
+		}
+		return send, func() { stopped.Add(1) }, nil
+	})
+	done := make(chan error, 1)
+	go func() { done <- p.run(nil, nil, 0) }()
+	e1, _ := event("a")
+	e2, _ := event("a")
+	require.NoError(t, p.feed(context.Background(), begin(), e1, e2, commit(10)))
+	p.closeInput()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("run did not return")
+	}
+	require.EqualValues(t, 10, confirmed.Load())
+	require.EqualValues(t, 2, sent.Load())
+	require.Eventually(t, func() bool { return stopped.Load() == 1 }, 10*time.Second, 10*time.Millisecond,
+		"the sender stops what it opened")
+}
+
+// A sender that cannot open (the PubAck subscription failed) fails the pipeline.
+func TestRunFailsWhenItsSenderCannotOpen(t *testing.T) {
+	var confirmed atomic.Uint64
+	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}}
+	require.NoError(t, cfg.fill())
+	p := newPipeline(&cfg, newMetrics(nil), &confirmed, func(func(ackResult)) (sendFunc, func(), error) {
+		return nil, nil, errors.New("no subscription")
+	})
+	require.ErrorContains(t, p.run(nil, nil, 0), "no subscription")
+	_, err := p.add(begin())
+	require.ErrorIs(t, err, errStopped)
 }
