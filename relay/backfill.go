@@ -1,12 +1,18 @@
 package relay
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
+	"sync/atomic"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/batonhq/baton/wire"
 )
@@ -51,3 +57,152 @@ func backfillItem(prefix, table string, maxPayload int, id int64, row *outboxTex
 		reason:     reason,
 	}
 }
+
+// createAndBackfill creates the slot and publishes, from the snapshot the slot exported, every
+// outbox row that is pending or processing: the backlog of a team that polled before Baton.
+// Streaming then starts at the slot's consistent point, so each row is published once: rows
+// committed before it by the backfill, after it by the stream.
+func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgconn.PgConn) error {
+	cfg := &r.cfg
+	// Recorded before the slot exists: a relay killed from here until the backfill is marked
+	// done leaves a slot that the next start knows as Baton's own and recreates.
+	if err := r.bounded(ctx, func(ctx context.Context) error {
+		_, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
+		VALUES ($1, NULL, 0, false) ON CONFLICT (slot_name) DO UPDATE
+		SET consistent_point = NULL, backfill_rows = 0, backfill_done = false, created_at = now()`, cfg.Slot)
+		return err
+	}); err != nil {
+		return fmt.Errorf("record slot %s: %w", cfg.Slot, err)
+	}
+	var created pglogrepl.CreateReplicationSlotResult
+	if err := within(ctx, cfg.FirstStartTimeout, func(ctx context.Context) (err error) {
+		created, err = pglogrepl.CreateReplicationSlot(ctx, repl, cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
+			Mode:           pglogrepl.LogicalReplication,
+			SnapshotAction: "EXPORT_SNAPSHOT",
+		})
+		return err
+	}); err != nil {
+		return fmt.Errorf("create slot %s (it waits for every transaction running now to end; FirstStartTimeout %s): %w",
+			cfg.Slot, cfg.FirstStartTimeout, err)
+	}
+	point, err := pglogrepl.ParseLSN(created.ConsistentPoint)
+	if err != nil {
+		return fmt.Errorf("slot %s consistent point %q: %w", cfg.Slot, created.ConsistentPoint, err)
+	}
+	r.confirmed.Store(uint64(point))
+	n, err := r.backfill(ctx, conn, created.SnapshotName)
+	if err != nil {
+		return fmt.Errorf("backfill: %w", err)
+	}
+	if err := r.bounded(ctx, func(ctx context.Context) error {
+		_, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
+		VALUES ($1, $2, $3, true) ON CONFLICT (slot_name) DO UPDATE
+		SET consistent_point = excluded.consistent_point, backfill_rows = excluded.backfill_rows, backfill_done = true`,
+			cfg.Slot, created.ConsistentPoint, n)
+		return err
+	}); err != nil {
+		return fmt.Errorf("record backfill of slot %s: %w", cfg.Slot, err)
+	}
+	cfg.Logger.Info("created slot and backfilled unfinished rows", "slot", cfg.Slot, "lsn", point, "rows", n)
+	return nil
+}
+
+// backfill publishes, from snapshot, every unfinished outbox row (see backfillPage) through a
+// pipeline of its own whose synthetic transaction never closes, so it confirms no LSN, and
+// returns how many rows it read.
+func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (int64, error) {
+	cfg := &r.cfg
+	var discard atomic.Uint64
+	p := newPipeline(cfg, r.m, &discard, natsSender(cfg.NATS))
+	var n int64
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return p.run(gctx.Done(), nil, 0) })
+	g.Go(func() error {
+		defer p.closeInput()
+		var tx pgx.Tx
+		if err := r.bounded(gctx, func(ctx context.Context) (err error) {
+			tx, err = conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+			return err
+		}); err != nil {
+			return err
+		}
+		defer func() {
+			ctx, cancel := context.WithTimeout(context.WithoutCancel(gctx), closeTimeout)
+			defer cancel()
+			_ = tx.Rollback(ctx)
+		}()
+		if err := r.bounded(gctx, func(ctx context.Context) error {
+			_, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT "+quoteLiteral(snapshot))
+			return err
+		}); err != nil {
+			return fmt.Errorf("import snapshot: %w", err)
+		}
+		// One synthetic transaction that never closes: backfilled events confirm no LSN.
+		if err := p.feed(gctx, item{kind: itemBegin}); err != nil {
+			return err
+		}
+		// Pages of BackfillBatch rows in id order, all from the same snapshot: the pipeline
+		// publishes a page while the next one is read.
+		var after int64
+		for {
+			var page []item
+			var last int64
+			if err := within(gctx, cfg.FirstStartTimeout, func(ctx context.Context) (err error) {
+				page, last, err = r.backfillPage(ctx, tx, after)
+				return err
+			}); err != nil {
+				return err
+			}
+			if err := p.feed(gctx, page...); err != nil {
+				return err
+			}
+			n += int64(len(page))
+			if len(page) < cfg.BackfillBatch {
+				return nil
+			}
+			after = last
+		}
+	})
+	if err := g.Wait(); err != nil {
+		return n, err
+	}
+	return n, nil
+}
+
+// backfillPage reads up to BackfillBatch unfinished outbox rows with an id above after, in id
+// order, as turn events (or, for a row that cannot become one, its dead-letter record: see
+// backfillItem), and returns them with the last id read.
+//
+// Columns are read as text, which the relay's pinned session settings print as pgoutput does,
+// and parsed by the stream's own parser: a value no event can carry ('infinity', a year past
+// 9999) is never a scan error, and the backfill and the stream agree on every row.
+func (r *Relay) backfillPage(ctx context.Context, tx pgx.Tx, after int64) ([]item, int64, error) {
+	rows, err := tx.Query(ctx, `SELECT id, conversation_id, message_id, status, attempts::text, created_at::text
+		FROM `+pgx.Identifier{r.cfg.Schema, tableOutbox}.Sanitize()+`
+		WHERE status IN ('pending', 'processing') AND id > $1 ORDER BY id LIMIT $2`,
+		after, r.cfg.BackfillBatch)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer rows.Close()
+	table := r.cfg.Schema + "." + tableOutbox
+	maxPayload := int(r.maxPayload) // not nc.MaxPayload(): see streamsChecked
+	var page []item
+	var last int64
+	for rows.Next() {
+		id, row, err := scanOutboxText(rows)
+		if err != nil {
+			return nil, 0, err
+		}
+		it := backfillItem(r.cfg.SubjectPrefix, table, maxPayload, id, row)
+		if it.deadLetter != "" {
+			logSetAside(r.cfg.Logger, it, "outbox_id", id)
+		}
+		page = append(page, it)
+		last = id
+	}
+	return page, last, rows.Err()
+}
+
+// quoteLiteral quotes s as an SQL string literal (SET TRANSACTION SNAPSHOT takes no parameters).
+func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }

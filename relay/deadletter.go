@@ -3,6 +3,7 @@ package relay
 import (
 	"encoding/json"
 	"fmt"
+	"log/slog"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/nats-io/nats.go"
@@ -53,4 +54,11 @@ func deadLetterMsgSized(prefix, msgID, kind, table, reason string, lsn pglogrepl
 			rec.Reason = rec.Reason[:max(0, len(rec.Reason)-(size-maxPayload))]
 		}
 	}
+}
+
+// logSetAside logs at ERROR the change of it, a dead-letter record, set aside; at names where
+// the change was (its "lsn", or the "outbox_id" of a backfilled row).
+func logSetAside(log *slog.Logger, it item, at ...any) {
+	log.Error("change cannot be published; setting it aside in the dead-letter stream",
+		append(at, "kind", it.deadLetter, "subject", it.msg.Subject, "reason", it.reason)...)
 }

@@ -45,8 +45,8 @@ import (
 //     stuck in a full socket ends the session after AckTimeout like a lost reply does, and
 //     events queued behind it are not timed.
 type pipeline struct {
-	nc         *nats.Conn                           // nil in tests
-	send       func(msg *nats.Msg, id uint64) error // set by sendLoop; tests set it
+	open       openSender // how the sender reaches JetStream
+	send       sendFunc   // what open returned: set and called by the sender only
 	maxPending int
 	lowWater   int // room is signalled when outstanding events drop to this
 	maxBytes   int // and outstanding bytes (see eventSize) to maxBytes,
@@ -112,21 +112,20 @@ type txEntry struct {
 	commitTime time.Time
 }
 
-func newPipeline(nc *nats.Conn, cfg *Config, m *metrics, confirmed *atomic.Uint64) *pipeline {
-	p := initPipeline(cfg.MaxInFlight, cfg.MaxInFlightBytes, cfg.AckTimeout, m, confirmed)
-	p.nc = nc
-	return p
-}
-
-func initPipeline(maxPending, maxBytes int, ackTimeout time.Duration, m *metrics, confirmed *atomic.Uint64) *pipeline {
+// newPipeline returns a pipeline with cfg's limits (MaxInFlight, MaxInFlightBytes,
+// AckTimeout) that publishes through open and stores the LSN it makes safe to confirm in
+// confirmed.
+func newPipeline(cfg *Config, m *metrics, confirmed *atomic.Uint64, open openSender) *pipeline {
+	maxPending, maxBytes := cfg.MaxInFlight, cfg.MaxInFlightBytes
 	return &pipeline{
+		open:       open,
 		maxPending: maxPending,
 		// Waking the reader for every PubAck when full would hand the CPU back and forth
 		// per event; it resumes when an eighth of the window is free.
 		lowWater:   maxPending - max(1, maxPending/8),
 		maxBytes:   maxBytes,
 		lowBytes:   maxBytes - maxBytes/8,
-		ackTimeout: ackTimeout,
+		ackTimeout: cfg.AckTimeout,
 		m:          m,
 		room:       make(chan struct{}, 1),
 		kick:       make(chan struct{}, 1),
@@ -209,22 +208,17 @@ func (p *pipeline) fail(err error) {
 	close(p.failed)
 }
 
-// sendLoop publishes the events publish queued, in order, until the pipeline stops. It
-// subscribes to PubAcks first, so that no reply can precede its subscription, and
-// unsubscribes when it returns. Both take nats.go's connection lock, which a send stuck in a
-// full socket holds: that is why they happen here and nowhere else.
+// sendLoop publishes the events publish queued, in order, until the pipeline stops. It opens
+// the sender first, which subscribes to PubAcks, so that no reply can precede its
+// subscription, and stops it (unsubscribes) when it returns. Both take nats.go's connection
+// lock, which a send stuck in a full socket holds: that is why they happen here and nowhere
+// else.
 func (p *pipeline) sendLoop() {
-	if p.nc != nil {
-		pub, err := newPublisher(p.nc, p.reply)
-		if err != nil {
-			p.mu.Lock()
-			p.fail(err)
-			p.mu.Unlock()
-			return
-		}
-		defer pub.close()
-		p.send = pub.publish
+	stop, ok := p.openSend()
+	if !ok {
+		return
 	}
+	defer stop()
 	for {
 		select {
 		case <-p.kick:
@@ -237,6 +231,20 @@ func (p *pipeline) sendLoop() {
 			return
 		}
 	}
+}
+
+// openSend opens the sender (see openSender), on the sender goroutine, and returns the
+// function that stops it. A failure fails the pipeline and returns false.
+func (p *pipeline) openSend() (stop func(), ok bool) {
+	send, stop, err := p.open(p.reply)
+	if err != nil {
+		p.mu.Lock()
+		p.fail(err)
+		p.mu.Unlock()
+		return nil, false
+	}
+	p.send = send
+	return stop, true
 }
 
 // sendQueued sends the queued events and reports whether the pipeline goes on. A send error

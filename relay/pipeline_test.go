@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"context"
 	"errors"
 	"sync/atomic"
 	"testing"
@@ -12,11 +13,12 @@ import (
 )
 
 // fakePipeline is a pipeline whose publishes are recorded instead of sent, so the delivery
-// rules can be checked step by step.
+// rules can be checked step by step. Replies are given to it by the test (reply, ack).
 type fakePipeline struct {
 	*pipeline
-	sent []*nats.Msg
-	ids  map[*nats.Msg]uint64 // the id each message was published with
+	sent   []*nats.Msg
+	ids    map[*nats.Msg]uint64  // the id each message was published with
+	refuse func(*nats.Msg) error // when set, the error of a send (nil: sent)
 }
 
 func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
@@ -24,14 +26,26 @@ func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
 	var confirmed atomic.Uint64
 	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}, MaxInFlight: maxPending}
 	require.NoError(t, cfg.fill())
-	p := initPipeline(maxPending, DefaultMaxInFlightBytes, cfg.AckTimeout, newMetrics(nil), &confirmed)
-	f := &fakePipeline{pipeline: p, ids: map[*nats.Msg]uint64{}}
-	p.send = func(msg *nats.Msg, id uint64) error {
+	f := &fakePipeline{ids: map[*nats.Msg]uint64{}}
+	f.pipeline = newPipeline(&cfg, newMetrics(nil), &confirmed, f.openFake)
+	_, ok := f.openSend() // as the sender does first
+	require.True(t, ok)
+	return f
+}
+
+// openFake is the fake's openSender: it records what is sent, and replies come from the test.
+func (f *fakePipeline) openFake(func(ackResult)) (sendFunc, func(), error) {
+	send := func(msg *nats.Msg, id uint64) error {
+		if f.refuse != nil {
+			if err := f.refuse(msg); err != nil {
+				return err
+			}
+		}
 		f.sent = append(f.sent, msg)
 		f.ids[msg] = id
 		return nil
 	}
-	return f
+	return send, func() {}, nil
 }
 
 // step handles items and sends what they queued, as the sender would.
@@ -134,12 +148,11 @@ func TestPublishErrorEndsThePipeline(t *testing.T) {
 // like a failed PubAck: nothing queued behind it goes out, nothing is confirmed.
 func TestSendErrorEndsThePipeline(t *testing.T) {
 	f := newFakePipeline(t, 100)
-	send := f.send
-	f.send = func(msg *nats.Msg, id uint64) error {
+	f.refuse = func(msg *nats.Msg) error {
 		if msg.Subject == "b" {
 			return errors.New("boom")
 		}
-		return send(msg, id)
+		return nil
 	}
 	a1, _ := event("a")
 	b1, _ := event("b")
@@ -235,4 +248,51 @@ func TestAckTimeoutCountsFromTheSend(t *testing.T) {
 	f.sendQueued()
 	require.NoError(t, f.tick(time.Now()))
 	require.ErrorContains(t, f.tick(time.Now().Add(2*f.ackTimeout)), "no PubAck within")
+}
+
+// The sender goroutine publishes through the openSender the pipeline was given and stops what
+// it opened: with one that acknowledges each publish at once, run confirms the transaction and
+// returns once the input is closed.
+func TestRunPublishesThroughItsSender(t *testing.T) {
+	var confirmed atomic.Uint64
+	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}}
+	require.NoError(t, cfg.fill())
+	var sent, stopped atomic.Int64
+	p := newPipeline(&cfg, newMetrics(nil), &confirmed, func(deliver func(ackResult)) (sendFunc, func(), error) {
+		send := func(_ *nats.Msg, id uint64) error {
+			sent.Add(1)
+			deliver(ackResult{id: id})
+			return nil
+		}
+		return send, func() { stopped.Add(1) }, nil
+	})
+	done := make(chan error, 1)
+	go func() { done <- p.run(nil, nil, 0) }()
+	e1, _ := event("a")
+	e2, _ := event("a")
+	require.NoError(t, p.feed(context.Background(), begin(), e1, e2, commit(10)))
+	p.closeInput()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("run did not return")
+	}
+	require.EqualValues(t, 10, confirmed.Load())
+	require.EqualValues(t, 2, sent.Load())
+	require.Eventually(t, func() bool { return stopped.Load() == 1 }, 10*time.Second, 10*time.Millisecond,
+		"the sender stops what it opened")
+}
+
+// A sender that cannot open (the PubAck subscription failed) fails the pipeline.
+func TestRunFailsWhenItsSenderCannotOpen(t *testing.T) {
+	var confirmed atomic.Uint64
+	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}}
+	require.NoError(t, cfg.fill())
+	p := newPipeline(&cfg, newMetrics(nil), &confirmed, func(func(ackResult)) (sendFunc, func(), error) {
+		return nil, nil, errors.New("no subscription")
+	})
+	require.ErrorContains(t, p.run(nil, nil, 0), "no subscription")
+	_, err := p.add(begin())
+	require.ErrorIs(t, err, errStopped)
 }

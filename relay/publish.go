@@ -9,10 +9,31 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
+// sendFunc publishes msg, the event the pipeline numbered id. Its reply reaches the deliver
+// function given to the openSender that returned it.
+type sendFunc func(msg *nats.Msg, id uint64) error
+
+// openSender starts publishing for one pipeline: it routes the reply to every event the
+// returned send publishes to deliver, and returns send with a function that stops the routing.
+// The pipeline calls it once, on its sender goroutine (see sendLoop). natsSender is the one
+// that publishes to JetStream.
+type openSender func(deliver func(ackResult)) (send sendFunc, stop func(), err error)
+
+// natsSender returns the openSender of a publisher on nc.
+func natsSender(nc *nats.Conn) openSender {
+	return func(deliver func(ackResult)) (sendFunc, func(), error) {
+		pub, err := newPublisher(nc, deliver)
+		if err != nil {
+			return nil, nil, err
+		}
+		return pub.publish, pub.close, nil
+	}
+}
+
 // publisher publishes events to JetStream over core NATS and hands each PubAck, decoded, to
-// deliver. It replaces jetstream's PublishMsgAsync, which allocates a future, a reply subject
-// and a map entry per publish and decodes every PubAck with encoding/json: on a catch-up that
-// was the largest share of the relay's CPU per event.
+// deliver. It does the job of jetstream's PublishMsgAsync without what makes that the largest
+// share of a relay's CPU per event on a catch-up: a future, a reply subject and a map entry
+// per publish, and encoding/json for every PubAck.
 //
 // Every publish carries the reply subject <inbox>.<id>, where id is the pipeline's number for
 // the event; one wildcard subscription on <inbox>.* receives all replies. The subscription

@@ -1,0 +1,248 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+)
+
+// reader receives the replication stream, decodes it into the pipeline, and reports the
+// confirmed LSN to Postgres every StatusInterval and whenever the server asks (see run).
+//
+// It owns the replication connection: only its goroutine reads from or writes to it. Reads
+// wait with a network deadline at the next status time (set once per period, not per
+// message), and ending the session's contexts moves that deadline to now.
+//
+// Its methods take two contexts: ctx, whose end is a graceful stop (stop reading, drain the
+// pipeline, report what it confirmed), and gctx, the session's group context, which ends when
+// the pipeline failed and bounds every write to the connection.
+type reader struct {
+	cfg       *Config
+	m         *metrics
+	repl      *pgconn.PgConn
+	conn      net.Conn // repl's, for read deadlines
+	p         *pipeline
+	dec       *decoder
+	frames    *cutFrames     // between repl's socket and its protocol reader: says which messages it cut
+	copies    uint64         // CopyData messages received, as frames counts them
+	confirmed *atomic.Uint64 // what the pipeline made safe to confirm, reported in status updates
+
+	live       liveness  // whether the walsender answered the status updates
+	nextStatus time.Time // when the next status update is due; reads wait until then
+}
+
+// newReader returns the reader of one replication session on repl, feeding p.
+func (r *Relay) newReader(repl *pgconn.PgConn, frames *cutFrames, p *pipeline) *reader {
+	cfg := &r.cfg
+	return &reader{
+		cfg:        cfg,
+		m:          r.m,
+		repl:       repl,
+		conn:       repl.Conn(),
+		p:          p,
+		frames:     frames,
+		dec:        newDecoder(cfg.Schema, cfg.SubjectPrefix, int(r.maxPayload)),
+		confirmed:  &r.confirmed,
+		live:       liveness{bound: silenceBound(cfg.StatusInterval)},
+		nextStatus: time.Now(),
+	}
+}
+
+// errSilent ends a session whose replication stream went silent: no CopyData arrived within
+// silenceBound of a status update that asked for a reply.
+var errSilent = errors.New("replication stream silent")
+
+// run reads until an error, until the pipeline stops (gctx ends, or an add finds it stopped:
+// it returns nil, the pipeline's error being the session's), or until ctx ends: then it stops
+// reading and drains, and returns the error of the last status update, if any.
+func (rd *reader) run(ctx, gctx context.Context) error {
+	wake := func() { _ = rd.conn.SetReadDeadline(time.Now()) }
+	defer context.AfterFunc(ctx, wake)()
+	defer context.AfterFunc(gctx, wake)()
+	for {
+		if ctx.Err() != nil {
+			return rd.drain(gctx)
+		}
+		if gctx.Err() != nil {
+			return nil // the pipeline failed; its error is the session's
+		}
+		if err := rd.statusDue(gctx); err != nil {
+			return err
+		}
+		if ctx.Err() != nil || gctx.Err() != nil {
+			continue // the deadline just set may have overwritten a wake-up
+		}
+		if err := rd.receive(ctx, gctx); err != nil {
+			return stoppedIsNil(err)
+		}
+	}
+}
+
+// drain ends the session gracefully: it closes the pipeline's input, waits for the pipeline
+// to finish (see pipeline.run), and reports what it confirmed. An unfinished transaction is
+// never confirmed: it is replayed from the confirmed LSN, which never passes it, and its
+// events already published are deduplicated.
+func (rd *reader) drain(gctx context.Context) error {
+	rd.p.closeInput()
+	select {
+	case <-rd.p.done:
+	case <-time.After(rd.cfg.DrainTimeout + time.Second):
+	}
+	err := rd.sendStatus(gctx)
+	rd.cfg.Logger.Info("relay stopped", "lsn", pglogrepl.LSN(rd.confirmed.Load()))
+	return err
+}
+
+// receive reads one message, waiting at most until the read deadline, and handles it. A read
+// that timed out is no error unless the stream went silent (see checkSilence).
+func (rd *reader) receive(ctx, gctx context.Context) error {
+	raw, err := rd.repl.ReceiveMessage(context.Background())
+	if err != nil {
+		if pgconn.Timeout(err) {
+			return rd.checkSilence(time.Now())
+		}
+		rd.m.errors.WithLabelValues("postgres").Inc()
+		return fmt.Errorf("receive replication message: %w", err)
+	}
+	switch msg := raw.(type) {
+	case *pgproto3.CopyData:
+		return rd.handleCopyData(ctx, gctx, msg.Data)
+	case *pgproto3.ErrorResponse:
+		rd.m.errors.WithLabelValues("postgres").Inc()
+		return fmt.Errorf("replication stream: %w", pgconn.ErrorResponseToPgError(msg))
+	case *pgproto3.CopyDone:
+		return errors.New("server ended the replication stream")
+	}
+	return nil
+}
+
+// checkSilence is called when a read found nothing to read before its deadline. A dead path
+// (a host or middlebox that drops packets and keeps the socket open) looks like this forever;
+// an idle database does not, because the walsender answers every status update. It returns
+// errSilent once the oldest unanswered update is older than the liveness bound.
+func (rd *reader) checkSilence(now time.Time) error {
+	if dead, waited := rd.live.dead(now); dead {
+		rd.m.errors.WithLabelValues("liveness").Inc()
+		return fmt.Errorf("%w: no answer from the walsender for %s (bound %s); reconnecting",
+			errSilent, waited.Round(time.Millisecond), rd.live.bound)
+	}
+	return nil
+}
+
+// handleCopyData parses one CopyData message and hands its item to the pipeline. A keepalive
+// also updates the slot lag and, when the server asks, is answered with a status update.
+func (rd *reader) handleCopyData(ctx, gctx context.Context, data []byte) error {
+	rd.live.heard()
+	rd.copies++
+	var cd copyData
+	var err error
+	if size, cut := rd.frames.takeCut(rd.copies, data); cut {
+		cd, err = rd.dec.parseCutCopyData(data, size, rd.cfg.MaxChangeBytes)
+	} else {
+		cd, err = rd.dec.parseCopyData(data)
+	}
+	if err != nil {
+		if errors.Is(err, errDecode) {
+			rd.m.errors.WithLabelValues("decode").Inc()
+		}
+		return err
+	}
+	switch it := cd.it; it.kind {
+	case itemNone:
+		return nil
+	case itemKeepalive:
+		if c := rd.confirmed.Load(); uint64(it.lsn) > c {
+			rd.m.slotLagBytes.Set(float64(uint64(it.lsn) - c))
+		}
+		if err := rd.put(ctx, gctx, it); err != nil {
+			return err
+		}
+		if cd.replyRequested {
+			return rd.sendStatus(gctx)
+		}
+		return nil
+	default:
+		if it.deadLetter != "" {
+			logSetAside(rd.cfg.Logger, it, "lsn", cd.at)
+		}
+		return rd.put(ctx, gctx, it)
+	}
+}
+
+// put hands one item to the pipeline, which publishes an event at once. While the pipeline is
+// full (MaxInFlight events or MaxInFlightBytes outstanding) it waits, keeping status updates
+// flowing. It returns errStopped when the pipeline failed or stopped: the pipeline's error is
+// the session's. When ctx ends it returns nil without adding it: an item not added is of a
+// transaction that is not confirmed, so it is replayed.
+func (rd *reader) put(ctx, gctx context.Context, it item) error {
+	for {
+		ok, err := rd.p.add(it)
+		if ok || err != nil {
+			return err
+		}
+		wait := time.NewTimer(time.Until(rd.nextStatus))
+		select {
+		case <-rd.p.room:
+		case <-rd.p.failed: // add says so
+		case <-gctx.Done():
+			wait.Stop()
+			return errStopped
+		case <-ctx.Done():
+			wait.Stop()
+			return nil // run drains at its next turn
+		case <-wait.C:
+			if err := rd.statusDue(gctx); err != nil {
+				wait.Stop()
+				return err
+			}
+		}
+		wait.Stop()
+	}
+}
+
+// statusDue sends a status update when one is due, and moves the read deadline to the next
+// status time.
+func (rd *reader) statusDue(ctx context.Context) error {
+	if time.Now().Before(rd.nextStatus) {
+		return nil
+	}
+	rd.nextStatus = time.Now().Add(rd.cfg.StatusInterval)
+	if err := rd.conn.SetReadDeadline(rd.nextStatus); err != nil {
+		return fmt.Errorf("set read deadline: %w", err)
+	}
+	return rd.sendStatus(ctx)
+}
+
+// sendStatus reports the confirmed LSN to Postgres. Write, flush and apply are all set
+// explicitly: pglogrepl copies the write position into zero fields, and the flush position is
+// what the server treats as confirmed. Every update asks for a reply, the walsender's
+// keepalive, which proves the stream alive (see liveness).
+func (rd *reader) sendStatus(ctx context.Context) error {
+	lsn := pglogrepl.LSN(rd.confirmed.Load())
+	now := time.Now()
+	err := pglogrepl.SendStandbyStatusUpdate(ctx, rd.repl, pglogrepl.StandbyStatusUpdate{
+		WALWritePosition: lsn, WALFlushPosition: lsn, WALApplyPosition: lsn, ClientTime: now,
+		ReplyRequested: true,
+	})
+	if err != nil {
+		return fmt.Errorf("send standby status at %s: %w", lsn, err)
+	}
+	rd.live.requested(now)
+	return nil
+}
+
+// stoppedIsNil returns nil for errStopped: the reader stops because the pipeline did, whose
+// error is the session's.
+func stoppedIsNil(err error) error {
+	if errors.Is(err, errStopped) {
+		return nil
+	}
+	return err
+}
