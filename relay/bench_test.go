@@ -104,8 +104,7 @@ func (e *benchEnv) createRelaySlot(tb testing.TB, slot, prefix string) {
 	for deadline := time.Now().Add(time.Minute); !r.Active(); time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			cancel()
-			<-done
-			tb.Fatal("relay never became active")
+			tb.Fatalf("relay never became active (Run returned %v)", <-done)
 		}
 	}
 	cancel()
@@ -1178,7 +1177,11 @@ func (h histogram) share(bound float64) float64 {
 // scrapeCommitToAck reads baton_relay_commit_to_ack_seconds from the relay's /metrics.
 func scrapeCommitToAck(addr string) (histogram, error) {
 	h := histogram{le: map[float64]float64{}}
-	resp, err := http.Get("http://" + addr + "/metrics")
+	req, err := http.NewRequestWithContext(context.Background(), http.MethodGet, "http://"+addr+"/metrics", nil)
+	if err != nil {
+		return h, err
+	}
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return h, err
 	}
@@ -1208,7 +1211,7 @@ func scrapeCommitToAck(addr string) (histogram, error) {
 }
 
 func freeTCPPort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	l, err := (&net.ListenConfig{}).Listen(context.Background(), "tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err
 	}

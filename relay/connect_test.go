@@ -133,10 +133,10 @@ func TestConnectRefusalsAreSetupErrors(t *testing.T) {
 			case err = <-done:
 			case <-time.After(10 * time.Second):
 				cancel()
-				<-done
+				stopped := <-done
 				tail := log.String()
 				tail = tail[max(0, len(tail)-2000):]
-				t.Fatalf("Run still retrying after 10s; log ends:\n%s", tail)
+				t.Fatalf("Run still retrying after 10s (then returned %v); log ends:\n%s", stopped, tail)
 			}
 			require.ErrorIs(t, err, relay.ErrSetup)
 			for _, s := range tc.says {

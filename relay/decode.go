@@ -128,7 +128,7 @@ func decodeTuple(src []byte, cols []tupleColumn) ([]tupleColumn, []byte, error) 
 				return cols, nil, fmt.Errorf("%w: column %d's length", errTruncated, i)
 			}
 			size := binary.BigEndian.Uint32(src)
-			if uint64(size) > uint64(len(src)-4) {
+			if int64(size) > int64(len(src)-4) {
 				return cols, nil, fmt.Errorf("%w: column %d of %d bytes, %d left", errTruncated, i, size, len(src)-4)
 			}
 			c.data, src = src[4:4+size:4+size], src[4+size:]
@@ -151,8 +151,8 @@ func checkIgnored(walData []byte, cols []tupleColumn) ([]tupleColumn, error) {
 		if len(src) < 5 {
 			return cols, fmt.Errorf("%w: truncate message of %d bytes", errTruncated, len(src))
 		}
-		n := uint64(binary.BigEndian.Uint32(src))
-		if rest := uint64(len(src) - 5); rest != 4*n {
+		n := int64(binary.BigEndian.Uint32(src))
+		if rest := int64(len(src) - 5); rest != 4*n {
 			return cols, fmt.Errorf("%w: truncate of %d relations has %d bytes of ids", errTruncated, n, rest)
 		}
 		return cols, nil

@@ -76,7 +76,7 @@ func (p *relayProcess) kill(t *testing.T) {
 // producers commits rows on their own conversations until stop is closed; each conversation's
 // rows are committed one after another by one goroutine, so id order is commit order there.
 // Failed commits are retried after a pause: the truth is what agent_outbox holds afterwards.
-func producers(ctx context.Context, t *testing.T, pool *pgxpool.Pool, convs []string, workers int, limit int64, stop <-chan struct{}) (wait func() int64) {
+func producers(ctx context.Context, _ *testing.T, pool *pgxpool.Pool, convs []string, workers int, limit int64, stop <-chan struct{}) (wait func() int64) {
 	var wg sync.WaitGroup
 	var n atomic.Int64
 	for w := range workers {

@@ -52,10 +52,10 @@ const cutKeep = wire.MaxDeadLetterRaw + 1024
 // copyDataHeader is a CopyData message's header: 'd' and a length that counts itself.
 const copyDataHeader = 5
 
-// newCutFrames returns a cutFrames reading r, cutting CopyData bodies over max bytes (at least
+// newCutFrames returns a cutFrames reading r, cutting CopyData bodies over limit bytes (at least
 // cutKeep).
-func newCutFrames(r io.Reader, max int) *cutFrames {
-	return &cutFrames{r: r, max: max, buf: make([]byte, 64<<10), cut: map[uint64]int{}}
+func newCutFrames(r io.Reader, limit int) *cutFrames {
+	return &cutFrames{r: r, max: limit, buf: make([]byte, 64<<10), cut: map[uint64]int{}}
 }
 
 func (f *cutFrames) Read(p []byte) (int, error) {
@@ -106,7 +106,7 @@ func (f *cutFrames) Read(p []byte) (int, error) {
 			continue
 		}
 		h := f.buf[f.start : f.start+copyDataHeader]
-		size := int(int32(binary.BigEndian.Uint32(h[1:])))
+		size := int(int32(binary.BigEndian.Uint32(h[1:]))) //nolint:gosec // G115: a length past 2^31 reads as negative, as pgx reads it, and is pgx's to refuse
 		if h[0] == 'd' {
 			f.seq++
 		}

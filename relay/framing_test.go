@@ -3,6 +3,7 @@ package relay
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"io"
 	"os"
 	"testing"
@@ -57,7 +58,7 @@ func TestCutFramesPassesSmallMessagesAndCutsLargeOnes(t *testing.T) {
 			var seq uint64
 			for {
 				msg, err := fe.Receive()
-				if err == io.ErrUnexpectedEOF || err == io.EOF {
+				if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
 					break
 				}
 				require.NoError(t, err)

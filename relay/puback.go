@@ -146,8 +146,8 @@ func (s *scanner) object(member func(key []byte) error) error {
 // key reads an object key, decoding escapes the way encoding/json does.
 func (s *scanner) key() ([]byte, error) {
 	start := s.i
-	raw, complex, err := s.rawString()
-	if err != nil || !complex {
+	raw, escaped, err := s.rawString()
+	if err != nil || !escaped {
 		return raw, err
 	}
 	var v string
@@ -159,7 +159,7 @@ func (s *scanner) key() ([]byte, error) {
 
 // rawString consumes a string and returns its bytes between the quotes, and whether they hold
 // an escape or bytes that are not plain ASCII (so they need decoding).
-func (s *scanner) rawString() (raw []byte, complex bool, err error) {
+func (s *scanner) rawString() (raw []byte, escaped bool, err error) {
 	s.i++ // the opening quote
 	start := s.i
 	for s.i < len(s.b) {
@@ -168,14 +168,14 @@ func (s *scanner) rawString() (raw []byte, complex bool, err error) {
 		case c == '"':
 			raw = s.b[start:s.i]
 			s.i++
-			return raw, complex, nil
+			return raw, escaped, nil
 		case c == '\\':
-			complex = true
+			escaped = true
 			s.i += 2
 		case c < 0x20:
 			return nil, false, s.fail("control character in string")
 		case c >= utf8.RuneSelf:
-			complex = true
+			escaped = true
 			s.i++
 		default:
 			s.i++
@@ -193,11 +193,11 @@ func (s *scanner) str() (string, error) {
 		return "", s.fail("want a string")
 	}
 	start := s.i
-	raw, complex, err := s.rawString()
+	raw, escaped, err := s.rawString()
 	if err != nil {
 		return "", err
 	}
-	if !complex {
+	if !escaped {
 		return string(raw), nil
 	}
 	// Escapes and non-ASCII text are rare here (a stream name, a description): let
@@ -280,7 +280,7 @@ func (s *scanner) apiError() (*jetstream.APIError, error) {
 		case "err_code":
 			var v uint64
 			v, err = s.uint(math.MaxUint16)
-			e.ErrorCode = jetstream.ErrorCode(v)
+			e.ErrorCode = jetstream.ErrorCode(v) //nolint:gosec // G115: s.uint refused values over MaxUint16
 		case "description":
 			e.Description, err = s.str()
 		default:

@@ -80,7 +80,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		if time.Since(started) > time.Minute {
 			backoff = r.cfg.MinBackoff
 		}
-		wait := backoff/2 + rand.N(backoff/2+1)
+		wait := backoff/2 + rand.N(backoff/2+1) //nolint:gosec // G404: jitter needs no secrecy
 		log.Warn("relay session ended; reconnecting", "error", err, "retry_in", wait)
 		if retryIn(ctx, wait) != nil {
 			return nil

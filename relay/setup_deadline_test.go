@@ -65,7 +65,8 @@ func TestStreamChangedToNoAckWhileRunningFailsSetup(t *testing.T) {
 	t.Cleanup(func() {
 		cancel()
 		select {
-		case <-done:
+		case err := <-done:
+			t.Logf("relay stopped: %v", err)
 		case <-time.After(30 * time.Second):
 			t.Error("relay did not stop within 30s")
 		}
