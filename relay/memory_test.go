@@ -1,13 +1,9 @@
 package relay_test
 
 import (
-	"bufio"
-	"os"
-	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -75,45 +71,4 @@ func gauge(body, name string) float64 {
 		return -1
 	}
 	return v
-}
-
-// startAdvProcess is startHAProcess with the NATS URL given (a proxy in front of the server).
-func (b *bundle) startAdvProcess(t *testing.T, dbURL, natsURL string, args ...string) *haProcess {
-	t.Helper()
-	cmd := exec.Command(batonBinary(t), append([]string{"relay"}, args...)...)
-	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+dbURL, "BATON_NATS_URL="+natsURL,
-		"BATON_SLOT="+b.cfg.Slot, "BATON_LOG_LEVEL=info")
-	stderr, err := cmd.StderrPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	p := &haProcess{cmd: cmd, exited: make(chan struct{})}
-	go func() {
-		sc := bufio.NewScanner(stderr)
-		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
-			p.mu.Lock()
-			p.seen = append(p.seen, sc.Text())
-			p.mu.Unlock()
-		}
-		_ = cmd.Wait()
-		close(p.exited)
-	}()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGCONT)
-		_ = cmd.Process.Kill()
-		select {
-		case <-p.exited:
-		case <-time.After(30 * time.Second):
-			t.Error("relay process did not exit after SIGKILL")
-		}
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		for _, l := range p.seen {
-			if len(l) > 2000 {
-				l = l[:2000] + "…"
-			}
-			t.Logf("pid %d: %s", cmd.Process.Pid, l)
-		}
-	})
-	return p
 }

@@ -83,6 +83,27 @@ func (b *bundle) start(t *testing.T) *relay.Relay {
 	return r
 }
 
+// run starts a relay for a test that reads Run's result from done (buffered: a test that took
+// the value puts it back). The cleanup stops the relay and waits for Run.
+func (b *bundle) run(t *testing.T) (r *relay.Relay, done chan error) {
+	t.Helper()
+	r, err := relay.New(b.cfg)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done = make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			t.Logf("relay stopped: %v", err)
+		case <-time.After(30 * time.Second):
+			t.Error("relay did not stop within 30s")
+		}
+	})
+	return r, done
+}
+
 // startActive starts a relay and waits until it streams from its slot, so that what the test
 // commits next reaches it through the stream, not the first-start backfill.
 func (b *bundle) startActive(t *testing.T) *relay.Relay {

@@ -1,13 +1,10 @@
 package relay_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
-
-	"github.com/batonhq/baton/relay"
 )
 
 // Config.Schema holds the Baton tables (BATON_SCHEMA, default public): the decoder, the
@@ -31,20 +28,7 @@ func TestRelayRunsInTheConfiguredSchema(t *testing.T) {
 			VALUES ('m1', 'c', 'user', 'x') RETURNING id, conversation_id)
 		INSERT INTO bt.agent_outbox (conversation_id, message_id) SELECT conversation_id, id FROM m RETURNING id`).Scan(&id))
 	b.cfg.Schema = "bt"
-	r, err := relay.New(b.cfg)
-	require.NoError(t, err)
-	runCtx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(runCtx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			t.Logf("relay stopped: %v", err)
-		case <-time.After(30 * time.Second):
-			t.Error("relay did not stop within 30s")
-		}
-	})
+	r, done := b.run(t)
 	require.Eventually(t, func() bool {
 		select {
 		case err := <-done:

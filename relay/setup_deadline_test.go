@@ -1,7 +1,6 @@
 package relay_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -57,20 +56,7 @@ func TestStreamChangedToNoAckWhileRunningFailsSetup(t *testing.T) {
 	b := setup(t)
 	ctx := ctxT(t, 2*time.Minute)
 	createConversations(t, b.db.Pool, "c")
-	r, err := relay.New(b.cfg)
-	require.NoError(t, err)
-	runCtx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(runCtx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			t.Logf("relay stopped: %v", err)
-		case <-time.After(30 * time.Second):
-			t.Error("relay did not stop within 30s")
-		}
-	})
+	r, done := b.run(t)
 	require.Eventually(t, r.Active, time.Minute, 5*time.Millisecond)
 	st, err := b.js.Stream(ctx, "AGENT_TURNS")
 	require.NoError(t, err)

@@ -21,10 +21,18 @@ type haProcess struct {
 	exited chan struct{}
 }
 
+// startHAProcess runs `baton relay` on dbURL and the test's NATS server until the test ends.
 func (b *bundle) startHAProcess(t *testing.T, dbURL string, args ...string) *haProcess {
 	t.Helper()
+	return b.startAdvProcess(t, dbURL, b.nats.URL(), args...)
+}
+
+// startAdvProcess runs `baton relay` on dbURL and natsURL (a proxy in front of either, say)
+// until the test ends, collecting its log.
+func (b *bundle) startAdvProcess(t *testing.T, dbURL, natsURL string, args ...string) *haProcess {
+	t.Helper()
 	cmd := exec.Command(batonBinary(t), append([]string{"relay"}, args...)...)
-	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+dbURL, "BATON_NATS_URL="+b.nats.URL(),
+	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+dbURL, "BATON_NATS_URL="+natsURL,
 		"BATON_SLOT="+b.cfg.Slot, "BATON_LOG_LEVEL=info")
 	stderr, err := cmd.StderrPipe()
 	require.NoError(t, err)
@@ -52,6 +60,9 @@ func (b *bundle) startHAProcess(t *testing.T, dbURL string, args ...string) *haP
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		for _, l := range p.seen {
+			if len(l) > 2000 {
+				l = l[:2000] + "…"
+			}
 			t.Logf("pid %d: %s", cmd.Process.Pid, l)
 		}
 	})
