@@ -90,6 +90,7 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 		return fmt.Errorf("slot %s consistent point %q: %w", cfg.Slot, created.ConsistentPoint, err)
 	}
 	r.confirmed.Store(uint64(point))
+	r.m.confirmedLSN.Set(float64(point))
 	n, err := r.backfill(ctx, conn, created.SnapshotName)
 	if err != nil {
 		return fmt.Errorf("backfill: %w", err)

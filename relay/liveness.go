@@ -20,9 +20,8 @@ func silenceBound(statusInterval time.Duration) time.Duration {
 // (keepalive or XLogData) arrived within the bound after the oldest request still
 // unanswered. It keeps no clock of its own: callers pass the time.
 type liveness struct {
-	bound  time.Duration
-	asked  time.Time // the oldest status update sent since the last CopyData; zero when none
-	heardN uint64    // CopyData messages received, for logs
+	bound time.Duration
+	asked time.Time // the oldest status update sent since the last CopyData; zero when none
 }
 
 // requested records a status update that asked for a reply, sent at now.
@@ -35,7 +34,6 @@ func (l *liveness) requested(now time.Time) {
 // heard records a CopyData message: every request sent before it counts as answered.
 func (l *liveness) heard() {
 	l.asked = time.Time{}
-	l.heardN++
 }
 
 // dead reports whether, at now, the oldest unanswered request is older than the bound. Call

@@ -81,7 +81,6 @@ type pipeline struct {
 	sending atomic.Bool // the sender is inside a send: nats.go may be stuck writing
 
 	confirmed *atomic.Uint64
-	acked     atomic.Int64 // events acknowledged (for the caller's progress)
 }
 
 // ackResult is the reply to the publish of event id: nil for a PubAck, else its error.
@@ -463,7 +462,6 @@ func (p *pipeline) ack(a ackResult) error {
 	delete(p.byID, a.id)
 	p.inFlight--
 	p.bytes -= ev.size
-	p.acked.Add(1)
 	now := time.Now()
 	p.m.publishLatency.Observe(now.Sub(time.Unix(0, ev.sentAt.Load())).Seconds())
 	switch {

@@ -149,9 +149,7 @@ func (rd *reader) handleCopyData(ctx, gctx context.Context, data []byte) error {
 		cd, err = rd.dec.parseCopyData(data)
 	}
 	if err != nil {
-		if errors.Is(err, errDecode) {
-			rd.m.errors.WithLabelValues("decode").Inc()
-		}
+		rd.m.errors.WithLabelValues("decode").Inc() // a change, or a keepalive or XLogData frame
 		return err
 	}
 	switch it := cd.it; it.kind {
