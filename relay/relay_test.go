@@ -148,16 +148,29 @@ type got struct {
 // waitStream waits until stream holds at least n messages and returns them all in order.
 func (b *bundle) waitStream(t *testing.T, stream string, n int, within time.Duration) []got {
 	t.Helper()
+	b.waitStreamCount(t, stream, n, within)
+	return b.readStream(t, stream)
+}
+
+// waitStreamCount waits until stream holds at least n messages and returns how many it holds,
+// without reading them (hundreds of megabytes would overrun the test's subscription).
+func (b *bundle) waitStreamCount(t *testing.T, stream string, n int, within time.Duration) uint64 {
+	t.Helper()
 	ctx := ctxT(t, within+30*time.Second)
+	var held uint64
 	require.Eventually(t, func() bool {
 		s, err := b.js.Stream(ctx, stream)
 		if err != nil {
 			return false
 		}
 		info, err := s.Info(ctx)
-		return err == nil && info.State.Msgs >= uint64(n)
+		if err != nil {
+			return false
+		}
+		held = info.State.Msgs
+		return held >= uint64(n)
 	}, within, 20*time.Millisecond, "stream %s never reached %d messages", stream, n)
-	return b.readStream(t, stream)
+	return held
 }
 
 func (b *bundle) readStream(t *testing.T, stream string) []got {
