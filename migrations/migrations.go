@@ -184,10 +184,14 @@ func apply(ctx context.Context, db Beginner, m Migration, o Options) (bool, erro
 	// CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema exists:
 	// only a missing schema is created.
 	schema := pgx.Identifier{o.Schema}.Sanitize()
-	if _, err := tx.Exec(ctx, `DO $$ BEGIN
-		IF to_regnamespace(`+quoteLiteral(schema)+`) IS NULL THEN CREATE SCHEMA `+schema+`; END IF;
-	END $$`); err != nil {
-		return false, fmt.Errorf("migration %d: create schema %s: %w", m.Version, o.Schema, err)
+	var haveSchema bool
+	if err := tx.QueryRow(ctx, `SELECT to_regnamespace($1) IS NOT NULL`, schema).Scan(&haveSchema); err != nil {
+		return false, fmt.Errorf("migration %d: look up schema %s: %w", m.Version, o.Schema, err)
+	}
+	if !haveSchema {
+		if _, err := tx.Exec(ctx, `CREATE SCHEMA `+schema); err != nil {
+			return false, fmt.Errorf("migration %d: create schema %s: %w", m.Version, o.Schema, err)
+		}
 	}
 	if _, err := tx.Exec(ctx, `SET LOCAL search_path TO `+schema); err != nil {
 		return false, fmt.Errorf("migration %d: search_path: %w", m.Version, err)
@@ -270,6 +274,3 @@ func CheckIn(ctx context.Context, db Beginner, schema string) error {
 	}
 	return nil
 }
-
-// quoteLiteral quotes s as an SQL string literal.
-func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }

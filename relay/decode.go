@@ -216,24 +216,34 @@ func newDecoder(schema, prefix string, maxPayload int) *decoder {
 // decodeAt decodes walData, the pgoutput message at WAL position at (its XLogData's
 // WALStart), which names the dead-letter record of a change set aside.
 func (d *decoder) decodeAt(at pglogrepl.LSN, walData []byte) (item, error) {
+	d.position(at, walData)
+	return d.decode(walData)
+}
+
+// position records that walData is the next message at WAL position at, for the ids of
+// dead-letter records. The rows of one COPY share a position: number the changes there,
+// inserts and logical messages only (the ones that can be set aside). Relation messages are
+// not counted: a session sends one before a relation's first change, so a replay may send one
+// where the first session did not.
+func (d *decoder) position(at pglogrepl.LSN, walData []byte) {
 	if at != d.at {
 		d.at, d.nth = at, -1
 	}
-	// The rows of one COPY share a position: number the changes there, inserts and logical
-	// messages only (the ones that can be set aside). Relation messages are not counted: a
-	// session sends one before a relation's first change, so a replay may send one where the
-	// first session did not.
 	if len(walData) > 0 && (walData[0] == 'I' || walData[0] == 'M') {
 		d.nth++
 	}
-	return d.decode(walData)
 }
 
 // deadLetter returns the item of the dead-letter record of the message being decoded.
 func (d *decoder) deadLetter(kind, table, reason string, raw []byte) item {
+	return d.deadLetterSized(kind, table, reason, raw, len(raw))
+}
+
+// deadLetterSized is deadLetter for a change of size bytes of which raw is the start.
+func (d *decoder) deadLetterSized(kind, table, reason string, raw []byte, size int) item {
 	return item{
 		kind:       itemEvent,
-		msg:        deadLetterMsg(d.prefix, kind, table, reason, d.at, d.nth, raw, d.maxPayload),
+		msg:        deadLetterMsgSized(d.prefix, wire.DeadLetterNthMsgID(d.at.String(), d.nth), kind, table, reason, d.at, raw, size, d.maxPayload),
 		deadLetter: kind,
 		reason:     reason,
 	}

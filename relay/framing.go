@@ -171,14 +171,9 @@ func (f *cutFrames) takeCut(seq uint64, data []byte) (int, bool) {
 // message, becomes its dead-letter record; any other cut change (a logical message of another
 // prefix, an update) is not the relay's and is skipped.
 func (d *decoder) decodeCutAt(at pglogrepl.LSN, walData []byte, size, limit int) item {
-	if at != d.at {
-		d.at, d.nth = at, -1
-	}
+	d.position(at, walData)
 	if len(walData) == 0 {
 		return item{kind: itemIgnored}
-	}
-	if walData[0] == 'I' || walData[0] == 'M' {
-		d.nth++ // as decodeAt counts
 	}
 	reason := fmt.Sprintf("change of %d bytes is larger than the relay's limit of %d bytes (MaxChangeBytes)", size, limit)
 	switch walData[0] {
@@ -208,14 +203,4 @@ func (d *decoder) decodeCutAt(at pglogrepl.LSN, walData []byte, size, limit int)
 		return d.deadLetterSized(wire.DeadLetterAnswers, "", reason, walData, size)
 	}
 	return item{kind: itemIgnored}
-}
-
-// deadLetterSized is deadLetter for a change of size bytes of which raw is the start.
-func (d *decoder) deadLetterSized(kind, table, reason string, raw []byte, size int) item {
-	return item{
-		kind:       itemEvent,
-		msg:        deadLetterMsgSized(d.prefix, wire.DeadLetterNthMsgID(d.at.String(), d.nth), kind, table, reason, d.at, raw, size, d.maxPayload),
-		deadLetter: kind,
-		reason:     reason,
-	}
 }
