@@ -41,7 +41,7 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		"with nothing streaming from the slot for this long (its host vanished); takeover takes about\n"+
 		"wal_sender_timeout + this")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
-		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvSchema, config.EnvMetricsAddr, config.EnvFatalLinger)
+		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvSchema, config.EnvMetricsAddr, config.EnvPprofAddr, config.EnvFatalLinger)
 	if err != nil {
 		return err
 	}
@@ -100,6 +100,9 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 	})
 	if cfg.MetricsAddr != "" {
 		g.Go(func() error { return opsserver.Serve(gctx, cfg.MetricsAddr, reg, r.Ready) })
+	}
+	if cfg.PprofAddr != "" {
+		g.Go(func() error { return opsserver.ServePprof(gctx, cfg.PprofAddr) })
 	}
 	if err := g.Wait(); err != nil && !errors.Is(err, errStopped) {
 		var logged loggedError

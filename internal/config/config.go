@@ -36,6 +36,7 @@ const (
 	EnvPublication   = "BATON_PUBLICATION"
 	EnvSchema        = "BATON_SCHEMA"
 	EnvMetricsAddr   = "BATON_METRICS_ADDR"
+	EnvPprofAddr     = "BATON_PPROF_ADDR"
 	EnvFatalLinger   = "BATON_FATAL_LINGER"
 	EnvLogLevel      = "BATON_LOG_LEVEL"
 	EnvLogFormat     = "BATON_LOG_FORMAT"
@@ -74,6 +75,10 @@ type Config struct {
 	Schema string `env:"BATON_SCHEMA" envDefault:"public"`
 	// MetricsAddr is the host:port of the Prometheus /metrics listener. Default: empty (off).
 	MetricsAddr string `env:"BATON_METRICS_ADDR"`
+	// PprofAddr is the host:port of a listener serving Go's profiles (net/http/pprof) at
+	// /debug/pprof/, apart from the metrics so that it is never exposed with them. Profiles show
+	// code paths and memory contents: keep it on loopback. Default: empty (off).
+	PprofAddr string `env:"BATON_PPROF_ADDR"`
 	// FatalLinger is how long a command that stopped on an error no retry can fix keeps
 	// serving /metrics, /healthz and /readyz (not ready) on MetricsAddr before it exits, so
 	// that scrapes and probes see why: a Go duration (30s, 2m), 0 to exit at once. Without a
@@ -109,6 +114,7 @@ var variables = []variable{
 	{EnvPublication, "publication `name` (default baton)", func(c *Config) *string { return &c.Publication }},
 	{EnvSchema, "Postgres `schema` of Baton's tables (default public)", func(c *Config) *string { return &c.Schema }},
 	{EnvMetricsAddr, "metrics listen `addr`ess host:port (default off)", func(c *Config) *string { return &c.MetricsAddr }},
+	{EnvPprofAddr, "Go profiles (/debug/pprof/) listen `addr`ess host:port, keep it on loopback (default off)", func(c *Config) *string { return &c.PprofAddr }},
 	{EnvFatalLinger, "after an error no retry can fix, keep serving metrics and health (not ready) for this `duration` before exiting; 0 exits at once (default 2m)",
 		func(c *Config) *string { return &c.FatalLinger }},
 	{EnvLogLevel, "log `level`: debug, info, warn, error (default info)", func(c *Config) *string { return &c.LogLevel }},
@@ -228,6 +234,11 @@ func (c Config) Validate() error {
 	if c.MetricsAddr != "" {
 		if err := checkListenAddr(c.MetricsAddr); err != nil {
 			bad(EnvMetricsAddr, "%v (got %q)", err, c.MetricsAddr)
+		}
+	}
+	if c.PprofAddr != "" {
+		if err := checkListenAddr(c.PprofAddr); err != nil {
+			bad(EnvPprofAddr, "%v (got %q)", err, c.PprofAddr)
 		}
 	}
 	if d, err := time.ParseDuration(c.FatalLinger); err != nil {
@@ -365,6 +376,7 @@ func (c Config) LogValue() slog.Value {
 		slog.String("publication", c.Publication),
 		slog.String("schema", c.Schema),
 		slog.String("metrics_addr", c.MetricsAddr),
+		slog.String("pprof_addr", c.PprofAddr),
 		slog.String("fatal_linger", c.FatalLinger),
 		slog.String("log_level", c.LogLevel),
 		slog.String("log_format", c.LogFormat),
@@ -373,12 +385,12 @@ func (c Config) LogValue() slog.Value {
 
 // String formats the configuration with passwords redacted, for %v, %+v and %s.
 func (c Config) String() string {
-	return fmt.Sprintf("{DatabaseURL:%s NATSURL:%s SubjectPrefix:%s Slot:%s Publication:%s Schema:%s MetricsAddr:%s FatalLinger:%s LogLevel:%s LogFormat:%s}",
-		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
+	return fmt.Sprintf("{DatabaseURL:%s NATSURL:%s SubjectPrefix:%s Slot:%s Publication:%s Schema:%s MetricsAddr:%s PprofAddr:%s FatalLinger:%s LogLevel:%s LogFormat:%s}",
+		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
 }
 
 // GoString formats the configuration with passwords redacted, for %#v.
 func (c Config) GoString() string {
-	return fmt.Sprintf("config.Config{DatabaseURL:%q, NATSURL:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, Schema:%q, MetricsAddr:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q}",
-		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
+	return fmt.Sprintf("config.Config{DatabaseURL:%q, NATSURL:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, Schema:%q, MetricsAddr:%q, PprofAddr:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q}",
+		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
 }

@@ -44,6 +44,7 @@ func TestLoad(t *testing.T) {
 				EnvSlot:          "baton_2",
 				EnvPublication:   "_baton2",
 				EnvMetricsAddr:   ":9090",
+				EnvPprofAddr:     "127.0.0.1:6060",
 				EnvFatalLinger:   "30s",
 				EnvLogLevel:      "DEBUG",
 				EnvLogFormat:     "json",
@@ -55,6 +56,7 @@ func TestLoad(t *testing.T) {
 				c.Slot = "baton_2"
 				c.Publication = "_baton2"
 				c.MetricsAddr = ":9090"
+				c.PprofAddr = "127.0.0.1:6060"
 				c.FatalLinger = "30s"
 				c.LogLevel = "DEBUG"
 				c.LogFormat = "json"
@@ -95,6 +97,8 @@ func TestLoad(t *testing.T) {
 		{name: "metrics without port", env: map[string]string{EnvMetricsAddr: "localhost"},
 			errs: []string{`BATON_METRICS_ADDR: must be host:port or :port (got "localhost")`}},
 		{name: "metrics port out of range", env: map[string]string{EnvMetricsAddr: ":99999"}, errs: []string{"BATON_METRICS_ADDR: port must be"}},
+		{name: "pprof without port", env: map[string]string{EnvPprofAddr: "localhost"},
+			errs: []string{`BATON_PPROF_ADDR: must be host:port or :port (got "localhost")`}},
 		{name: "linger not a duration", env: map[string]string{EnvFatalLinger: "2 minutes"},
 			errs: []string{`BATON_FATAL_LINGER: must be a duration such as 2m or 30s (got "2 minutes")`}},
 		{name: "linger without unit", env: map[string]string{EnvFatalLinger: "120"}, errs: []string{"BATON_FATAL_LINGER: must be a duration"}},

@@ -1,5 +1,6 @@
 // Package opsserver serves what operators and orchestrators probe: Prometheus metrics at
-// /metrics, liveness at /healthz and readiness at /readyz.
+// /metrics, liveness at /healthz and readiness at /readyz; and, on a listener of its own, Go's
+// profiles at /debug/pprof/.
 package opsserver
 
 import (
@@ -8,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -46,7 +48,30 @@ func ServeListener(ctx context.Context, ln net.Listener, reg *prometheus.Registr
 		}
 		_, _ = w.Write([]byte("ready\n"))
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	return serve(ctx, ln, mux)
+}
+
+// ServePprof serves Go's profiles (net/http/pprof) at /debug/pprof/ on addr until ctx ends.
+// It is a listener apart from Serve's: profiles show code paths and memory contents, and
+// metrics are often scraped across the network.
+func ServePprof(ctx context.Context, addr string) error {
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", addr)
+	if err != nil {
+		return fmt.Errorf("pprof listener: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	return serve(ctx, ln, mux)
+}
+
+// serve serves h on ln, which it closes, until ctx ends.
+func serve(ctx context.Context, ln net.Listener, h http.Handler) error {
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {

@@ -1,0 +1,41 @@
+package opsserver
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// The profiles are served on a listener of their own and stop with the context.
+func TestServePprof(t *testing.T) {
+	ln, err := (&net.ListenConfig{}).Listen(context.Background(), "tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- ServePprof(ctx, addr) }()
+	var resp *http.Response
+	require.Eventually(t, func() bool {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("http://%s/debug/pprof/cmdline", addr), nil)
+		require.NoError(t, err)
+		resp, err = http.DefaultClient.Do(req)
+		return err == nil
+	}, 10*time.Second, 10*time.Millisecond, "the pprof listener never answered")
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.NoError(t, resp.Body.Close())
+
+	cancel()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("ServePprof did not return after its context ended")
+	}
+}
