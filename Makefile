@@ -11,7 +11,7 @@ GOLANGCI_LINT_VERSION := v2.15.0
 GOLANGCI_LINT ?= $(firstword $(subst :, ,$(shell $(GO) env GOPATH)))/bin/golangci-lint
 
 .DEFAULT_GOAL := help
-.PHONY: help test lint fmt-check vet golangci-lint golangci-lint-install bench demo build
+.PHONY: conflict-check help test lint fmt-check vet golangci-lint golangci-lint-install bench demo build
 
 help: ## list the targets
 	@awk 'BEGIN { FS = ":.*## " } /^[a-zA-Z_-]+:.*## / { printf "  %-8s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
@@ -19,7 +19,12 @@ help: ## list the targets
 test: lint ## make lint, then every test with the race detector (needs PostgreSQL server binaries)
 	$(GO) test -race -count=1 -timeout 20m ./...
 
-lint: fmt-check vet golangci-lint ## gofmt check, go vet and golangci-lint (.golangci.yml)
+lint: fmt-check conflict-check vet golangci-lint ## gofmt check, leftover merge markers, go vet and golangci-lint (.golangci.yml)
+
+# A merge that left its conflict markers in a file (README.md once had some) fails here.
+conflict-check:
+	@if git grep -nE '^(<{7}|>{7})( |$$)' -- . ':!*.pdf' ':!*.png'; then \
+		echo "leftover merge conflict markers above"; exit 1; fi
 
 # -s as golangci-lint's gofmt formatter checks it: composite literals without repeated types.
 fmt-check:
