@@ -114,7 +114,7 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (int64, error) {
 	cfg := &r.cfg
 	var discard atomic.Uint64
-	p := newPipeline(cfg, r.m, &discard, natsSender(cfg.NATS))
+	p := newPipeline(cfg, r.m, &discard, natsSender(cfg.NATS), r.batched)
 	var n int64
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return p.run(gctx.Done(), nil, 0) })

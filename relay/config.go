@@ -95,6 +95,10 @@ type Config struct {
 	// MinBackoff and MaxBackoff bound the jittered, exponential wait between reconnects.
 	// Defaults 100ms and 10s.
 	MinBackoff, MaxBackoff time.Duration
+	// ClassicPublish publishes event by event, each after the PubAck of the previous event of
+	// its conversation, even when the streams take fast-ingest batches (nats-server 2.14 or
+	// later; see batch.go), which the relay otherwise uses. Default false.
+	ClassicPublish bool
 	// DrainTimeout bounds how long a stopping relay waits for PubAcks of what it published
 	// before it confirms and returns. Default 10s.
 	DrainTimeout time.Duration

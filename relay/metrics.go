@@ -19,6 +19,7 @@ type metrics struct {
 	inFlight                           prometheus.Gauge
 	inFlightBytes                      prometheus.Gauge
 	active                             prometheus.Gauge
+	batched                            prometheus.Gauge
 	reconnects                         prometheus.Counter
 	errors                             *prometheus.CounterVec // stage: postgres|nats|publish|decode
 	slotLost                           prometheus.Gauge
@@ -59,6 +60,9 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		active: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_relay_active", Help: "1 while this relay holds the slot and streams, 0 as standby or reconnecting.",
 		}),
+		batched: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_relay_publish_batched", Help: "1 while the relay publishes in JetStream fast-ingest batches, 0 event by event (--classic-publish, or a server or stream without them).",
+		}),
 		reconnects: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "baton_relay_reconnects_total", Help: "Sessions restarted after an error.",
 		}),
@@ -82,7 +86,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	m.ignored = m.events.WithLabelValues("ignored")
 	if reg != nil {
 		reg.MustRegister(m.events, m.omitted, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
-			m.slotLagBytes, m.inFlight, m.inFlightBytes, m.active, m.reconnects, m.errors, m.slotLost, m.fatal)
+			m.slotLagBytes, m.inFlight, m.inFlightBytes, m.active, m.batched, m.reconnects, m.errors, m.slotLost, m.fatal)
 	}
 	return m
 }

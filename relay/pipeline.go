@@ -40,6 +40,9 @@ import (
 //     event like the others: its transaction is confirmed only after the record's PubAck, so
 //     a change is never skipped without its record in the dead-letter stream. A failure to
 //     publish the record is retried like any other.
+//   - With batched publishing (see batch.go) events are published without the per-subject
+//     wait: each stream's events go out as one ordered batch that the server stores without a
+//     gap or not at all past a failure, which keeps per-subject order by itself.
 //   - Once the pipeline failed or stopped, nothing more is published or confirmed.
 //   - An event waits for its PubAck from the moment the sender hands it to nats.go: a send
 //     stuck in a full socket ends the session after AckTimeout like a lost reply does, and
@@ -53,12 +56,15 @@ type pipeline struct {
 	lowBytes   int // and to this
 	ackTimeout time.Duration
 	m          *metrics
+	batched    bool // publish in fast-ingest batches (see batch.go), not event by event
 
 	room   chan struct{} // cap 1: add refused an event, and outstanding dropped to the low water marks
 	kick   chan struct{} // cap 1: out is not empty
 	failed chan struct{} // closed with the first error (err)
 	idle   chan struct{} // closed when the input ended and every event has its PubAck
 	done   chan struct{} // closed when run returns
+	// laneKick (cap 1) tells the sender a reply changed a lane, when batched.
+	laneKick chan struct{}
 
 	mu sync.Mutex
 	// subjects holds, for each subject with an event in flight, the events queued behind it.
@@ -67,14 +73,15 @@ type pipeline struct {
 	byID      map[uint64]*pendingEvent // published events by id, until their PubAck
 	out       []*pendingEvent          // published, for the sender to send, in order
 	nextID    uint64
-	txs       []*txEntry // FIFO of transactions not yet confirmed
-	cur       *txEntry   // the open transaction, nil between transactions
-	inFlight  int        // published, no PubAck yet
-	queued    int        // waiting behind an earlier event of the same subject
-	bytes     int        // eventSize of the events in flight or queued
-	full      bool       // add refused an event: reply signals room at the low water marks
-	inputDone bool       // closeInput was called
-	stopped   bool       // failed or run returned: nothing more is published or confirmed
+	lanes     [laneCount]lane // when batched: each stream's batch
+	txs       []*txEntry      // FIFO of transactions not yet confirmed
+	cur       *txEntry        // the open transaction, nil between transactions
+	inFlight  int             // published, no PubAck yet
+	queued    int             // waiting behind an earlier event of the same subject
+	bytes     int             // eventSize of the events in flight or queued
+	full      bool            // add refused an event: reply signals room at the low water marks
+	inputDone bool            // closeInput was called
+	stopped   bool            // failed or run returned: nothing more is published or confirmed
 	err       error
 
 	halted  atomic.Bool // stopped, for the sender between sends without the lock
@@ -83,10 +90,12 @@ type pipeline struct {
 	confirmed *atomic.Uint64
 }
 
-// ackResult is the reply to the publish of event id: nil for a PubAck, else its error.
+// ackResult is the reply to the publish of event id, or to a message of a batch: err is nil
+// for a PubAck (or a batch's flow acknowledgement), else the error the reply reports.
 type ackResult struct {
-	id  uint64
-	err error
+	id    uint64
+	err   error
+	batch *batchReply // a reply on a batch; id is then unused
 }
 
 type pendingEvent struct {
@@ -97,7 +106,9 @@ type pendingEvent struct {
 	omitted bool
 	// deadLetter is the kind of change whose dead-letter record this is, "" for an event.
 	deadLetter string
-	size       int // eventSize
+	size       int    // eventSize
+	lane       int    // its stream's lane, when batched
+	bseq       uint64 // its number in its lane's batch, once sent
 	// sentAt is when the sender handed the event to nats.go (UnixNano), 0 before: the ack
 	// timeout counts from there, so a long queue on a slow but working link does not time out,
 	// and a send stuck in a full socket does.
@@ -112,9 +123,9 @@ type txEntry struct {
 }
 
 // newPipeline returns a pipeline with cfg's limits (MaxInFlight, MaxInFlightBytes,
-// AckTimeout) that publishes through open and stores the LSN it makes safe to confirm in
-// confirmed.
-func newPipeline(cfg *Config, m *metrics, confirmed *atomic.Uint64, open openSender) *pipeline {
+// AckTimeout) that publishes through open, in batches when batched, and stores the LSN it
+// makes safe to confirm in confirmed.
+func newPipeline(cfg *Config, m *metrics, confirmed *atomic.Uint64, open openSender, batched bool) *pipeline {
 	maxPending, maxBytes := cfg.MaxInFlight, cfg.MaxInFlightBytes
 	return &pipeline{
 		open:       open,
@@ -126,6 +137,8 @@ func newPipeline(cfg *Config, m *metrics, confirmed *atomic.Uint64, open openSen
 		lowBytes:   maxBytes - maxBytes/8,
 		ackTimeout: cfg.AckTimeout,
 		m:          m,
+		batched:    batched,
+		laneKick:   make(chan struct{}, 1),
 		room:       make(chan struct{}, 1),
 		kick:       make(chan struct{}, 1),
 		failed:     make(chan struct{}),
@@ -218,6 +231,10 @@ func (p *pipeline) sendLoop() {
 		return
 	}
 	defer stop()
+	if p.batched {
+		p.sendLoopBatched()
+		return
+	}
 	for {
 		select {
 		case <-p.kick:
@@ -227,6 +244,29 @@ func (p *pipeline) sendLoop() {
 			return
 		}
 		if !p.sendQueued() {
+			return
+		}
+	}
+}
+
+// sendLoopBatched is sendLoop's loop when batched: it also wakes to commit idle lanes.
+func (p *pipeline) sendLoopBatched() {
+	commit := time.NewTimer(time.Hour)
+	defer commit.Stop()
+	for {
+		if due, open := p.commitDue(); open {
+			commit.Reset(max(0, time.Until(due)))
+		}
+		select {
+		case <-p.kick:
+		case <-p.laneKick:
+		case <-commit.C:
+		case <-p.failed:
+			return
+		case <-p.done:
+			return
+		}
+		if !p.sendBatched() {
 			return
 		}
 	}
@@ -259,7 +299,7 @@ func (p *pipeline) sendQueued() bool {
 		}
 		ev.sentAt.Store(time.Now().UnixNano())
 		p.sending.Store(true)
-		err := p.send(ev.msg, ev.id)
+		err := p.send(ev.msg, eventToken(ev.id))
 		p.sending.Store(false)
 		if err != nil {
 			p.m.errors.WithLabelValues("publish").Inc()
@@ -332,7 +372,11 @@ func (p *pipeline) reply(a ackResult) {
 	if p.stopped {
 		return
 	}
-	if err := p.ack(a); err != nil {
+	ack := p.ack
+	if a.batch != nil {
+		ack = p.batchAck
+	}
+	if err := ack(a); err != nil {
 		p.fail(err)
 		return
 	}
@@ -422,6 +466,11 @@ func (p *pipeline) handle(it item) error {
 		ev := &pendingEvent{msg: it.msg, tx: tx, outcome: it.outcome, omitted: it.omitted, deadLetter: it.deadLetter,
 			size: eventSize(it.msg)}
 		p.bytes += ev.size
+		if p.batched {
+			ev.lane = laneOf(ev.outcome, ev.deadLetter)
+			p.publish(ev)
+			return nil
+		}
 		if q, busy := p.subjects[it.msg.Subject]; busy {
 			p.subjects[it.msg.Subject] = append(q, ev)
 			p.queued++
@@ -459,7 +508,24 @@ func (p *pipeline) ack(a ackResult) error {
 		p.m.errors.WithLabelValues("publish").Inc()
 		return fmt.Errorf("publish %s on %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject, a.err)
 	}
-	delete(p.byID, a.id)
+	p.acked(ev)
+	if q := p.subjects[ev.msg.Subject]; len(q) > 0 {
+		next := q[0]
+		q[0] = nil
+		p.subjects[ev.msg.Subject] = q[1:]
+		p.queued--
+		p.publish(next)
+	} else {
+		delete(p.subjects, ev.msg.Subject)
+	}
+	p.advance()
+	return nil
+}
+
+// acked accounts for ev's PubAck: it leaves the events in flight, its transaction waits for one
+// event less, and the metrics count it. mu is held; the caller advances the confirmed LSN.
+func (p *pipeline) acked(ev *pendingEvent) {
+	delete(p.byID, ev.id)
 	p.inFlight--
 	p.bytes -= ev.size
 	now := time.Now()
@@ -479,18 +545,7 @@ func (p *pipeline) ack(a ackResult) error {
 	if ev.omitted {
 		p.m.omitted.Inc()
 	}
-	if q := p.subjects[ev.msg.Subject]; len(q) > 0 {
-		next := q[0]
-		q[0] = nil
-		p.subjects[ev.msg.Subject] = q[1:]
-		p.queued--
-		p.publish(next)
-	} else {
-		delete(p.subjects, ev.msg.Subject)
-	}
 	ev.tx.pending--
-	p.advance()
-	return nil
 }
 
 // advance confirms every finished transaction at the head of the FIFO.

@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"errors"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -27,7 +28,7 @@ func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
 	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}, MaxInFlight: maxPending}
 	require.NoError(t, cfg.fill())
 	f := &fakePipeline{ids: map[*nats.Msg]uint64{}}
-	f.pipeline = newPipeline(&cfg, newMetrics(nil), &confirmed, f.openFake)
+	f.pipeline = newPipeline(&cfg, newMetrics(nil), &confirmed, f.openFake, false)
 	_, ok := f.openSend() // as the sender does first
 	require.True(t, ok)
 	return f
@@ -35,7 +36,11 @@ func newFakePipeline(t *testing.T, maxPending int) *fakePipeline {
 
 // openFake is the fake's openSender: it records what is sent, and replies come from the test.
 func (f *fakePipeline) openFake(func(ackResult)) (sendFunc, func(), error) {
-	send := func(msg *nats.Msg, id uint64) error {
+	send := func(msg *nats.Msg, token string) error {
+		id, err := strconv.ParseUint(token, 10, 64)
+		if err != nil {
+			return err
+		}
 		if f.refuse != nil {
 			if err := f.refuse(msg); err != nil {
 				return err
@@ -259,13 +264,17 @@ func TestRunPublishesThroughItsSender(t *testing.T) {
 	require.NoError(t, cfg.fill())
 	var sent, stopped atomic.Int64
 	p := newPipeline(&cfg, newMetrics(nil), &confirmed, func(deliver func(ackResult)) (sendFunc, func(), error) {
-		send := func(_ *nats.Msg, id uint64) error {
+		send := func(_ *nats.Msg, token string) error {
+			id, err := strconv.ParseUint(token, 10, 64)
+			if err != nil {
+				return err
+			}
 			sent.Add(1)
 			deliver(ackResult{id: id})
 			return nil
 		}
 		return send, func() { stopped.Add(1) }, nil
-	})
+	}, false)
 	done := make(chan error, 1)
 	go func() { done <- p.run(nil, nil, 0) }()
 	e1, _ := event("a")
@@ -291,7 +300,7 @@ func TestRunFailsWhenItsSenderCannotOpen(t *testing.T) {
 	require.NoError(t, cfg.fill())
 	p := newPipeline(&cfg, newMetrics(nil), &confirmed, func(func(ackResult)) (sendFunc, func(), error) {
 		return nil, nil, errors.New("no subscription")
-	})
+	}, false)
 	require.ErrorContains(t, p.run(nil, nil, 0), "no subscription")
 	_, err := p.add(begin())
 	require.ErrorIs(t, err, errStopped)

@@ -17,12 +17,22 @@ import (
 //	{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}
 //
 // apiErr is set when the reply carries an error object.
+//
+// Replies on a fast-ingest batch (see batch.go) use the same reader: a flow acknowledgement
+// {"type":"ack","seq":100,"msgs":50}, a gap {"type":"gap","last_seq":9,"seq":11}, an error
+// {"type":"err","seq":7,"error":{...}}, and at the end the batch's PubAck, which adds
+// "batch" and "count" to the fields above.
 type pubAck struct {
 	stream    string
 	seq       uint64
 	duplicate bool
 	domain    string
 	apiErr    *jetstream.APIError
+
+	kind  string // "type": "ack", "gap" or "err" on a fast-ingest batch; "" for a PubAck
+	msgs  uint64 // a flow acknowledgement's "msgs": the server acknowledges every msgs messages
+	batch string // a batch's PubAck: its id
+	count uint64 // a batch's PubAck: how many messages it stored
 }
 
 // errInvalidPubAck is returned for a reply that is neither a PubAck nor an API error.
@@ -48,6 +58,14 @@ func parsePubAck(b []byte) (pubAck, error) {
 			a.domain, err = s.str()
 		case "error":
 			a.apiErr, err = s.apiError()
+		case "type":
+			a.kind, err = s.str()
+		case "msgs":
+			a.msgs, err = s.uint(math.MaxUint16)
+		case "batch":
+			a.batch, err = s.str()
+		case "count":
+			a.count, err = s.uint(math.MaxUint64)
 		default:
 			err = s.skip()
 		}

@@ -9,9 +9,11 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
-// sendFunc publishes msg, the event the pipeline numbered id. Its reply reaches the deliver
-// function given to the openSender that returned it.
-type sendFunc func(msg *nats.Msg, id uint64) error
+// sendFunc publishes msg with the reply subject <inbox>.<token>, where token is
+// eventToken(id) for an event published on its own and a batchToken for a message of a
+// fast-ingest batch. Its reply reaches the deliver function given to the openSender that
+// returned it, as an ackResult.
+type sendFunc func(msg *nats.Msg, token string) error
 
 // openSender starts publishing for one pipeline: it routes the reply to every event the
 // returned send publishes to deliver, and returns send with a function that stops the routing.
@@ -35,10 +37,11 @@ func natsSender(nc *nats.Conn) openSender {
 // share of a relay's CPU per event on a catch-up: a future, a reply subject and a map entry
 // per publish, and encoding/json for every PubAck.
 //
-// Every publish carries the reply subject <inbox>.<id>, where id is the pipeline's number for
-// the event; one wildcard subscription on <inbox>.* receives all replies. The subscription
-// belongs to one pipeline (one session): close unsubscribes it, and replies arriving after
-// that are dropped. A reply whose id the pipeline does not know is ignored there.
+// Every publish carries the reply subject <inbox>.<token>: the pipeline's number for the
+// event, or the reply subject of a fast-ingest batch message (see batchToken), which the
+// server needs in that form; one wildcard subscription on <inbox>.> receives all replies.
+// The subscription belongs to one pipeline (one session): close unsubscribes it, and replies
+// arriving after that are dropped. A reply the pipeline does not expect is ignored there.
 type publisher struct {
 	nc     *nats.Conn
 	prefix string // "<inbox>."
@@ -56,9 +59,13 @@ var errNoResponders = errors.New("no responders: no stream stores the subject")
 
 func newPublisher(nc *nats.Conn, deliver func(ackResult)) (*publisher, error) {
 	p := &publisher{nc: nc, prefix: nc.NewInbox() + "."}
-	sub, err := nc.Subscribe(p.prefix+"*", func(m *nats.Msg) {
+	sub, err := nc.Subscribe(p.prefix+">", func(m *nats.Msg) {
 		tok, ok := strings.CutPrefix(m.Subject, p.prefix)
 		if !ok {
+			return
+		}
+		if batch, ok := parseBatchToken(tok); ok {
+			deliver(batchResult(batch, m))
 			return
 		}
 		id, err := strconv.ParseUint(tok, 10, 64)
@@ -80,12 +87,15 @@ func newPublisher(nc *nats.Conn, deliver func(ackResult)) (*publisher, error) {
 	return p, nil
 }
 
-// publish sends msg with the reply subject of event id. Publishes go out in order on the
+// publish sends msg with the reply subject <inbox>.<token>. Publishes go out in order on the
 // connection, after the subscription that receives their replies.
-func (p *publisher) publish(msg *nats.Msg, id uint64) error {
-	msg.Reply = p.prefix + strconv.FormatUint(id, 10)
+func (p *publisher) publish(msg *nats.Msg, token string) error {
+	msg.Reply = p.prefix + token
 	return p.nc.PublishMsg(msg)
 }
+
+// eventToken is the reply token of event id published on its own.
+func eventToken(id uint64) string { return strconv.FormatUint(id, 10) }
 
 // close unsubscribes; replies still on their way are dropped.
 func (p *publisher) close() {

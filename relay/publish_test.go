@@ -94,7 +94,7 @@ func TestPublisherReportsEachKindOfReply(t *testing.T) {
 	publish := func(subj, msgID string, id uint64) {
 		m := nats.NewMsg(subj)
 		m.Header.Set(nats.MsgIdHdr, msgID)
-		require.NoError(t, pub.publish(m, id))
+		require.NoError(t, pub.publish(m, eventToken(id)))
 	}
 
 	publish("puback.a", "one", 7) // a duplicate: acknowledged
@@ -173,7 +173,9 @@ func TestParsePubAck(t *testing.T) {
 		{in: `{"stream":"S\u00e9\"","seq":1}`, want: pubAck{stream: "Sé\"", seq: 1}},
 		{in: `{"str\u0065am":"S","seq":1}`, want: pubAck{stream: "S", seq: 1}},
 		{in: `{"Stream":"S","seq":1}`, want: pubAck{seq: 1}}, // keys match exactly
-		{in: `{"stream":"S","val":"1","batch":"b","count":3,"x":[1,{"a":[true,null]},"]"]}`, want: pubAck{stream: "S"}},
+		{in: `{"stream":"S","val":"1","batch":"b","count":3,"x":[1,{"a":[true,null]},"]"]}`, want: pubAck{stream: "S", batch: "b", count: 3}},
+		{in: `{"type":"ack","seq":100,"msgs":50}`, want: pubAck{kind: "ack", seq: 100, msgs: 50}},
+		{in: `{"type":"gap","last_seq":9,"seq":11}`, want: pubAck{kind: "gap", seq: 11}},
 		{in: `{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}`,
 			want: pubAck{apiErr: &jetstream.APIError{Code: 503, ErrorCode: 10077, Description: "maximum messages exceeded"}}},
 		{in: `{"error":{"code":-1,"err_code":65536}}`, bad: true},

@@ -29,6 +29,7 @@ type Relay struct {
 	// large (the server's limit went down): only Run's goroutine uses them.
 	streamsChecked bool
 	maxPayload     int64
+	batched        bool // every stream takes fast-ingest batches (see batch.go)
 
 	confirmed atomic.Uint64 // the LSN last made safe to confirm
 	active    atomic.Bool   // streaming from the slot
@@ -62,7 +63,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	for {
 		started := time.Now()
 		err := r.session(ctx)
-		if errors.Is(err, errNoResponders) || errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, errNoPubAck) {
+		if errors.Is(err, errNoResponders) || errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, errNoPubAck) && r.serverAnswers() {
 			r.streamsChecked = false // check the streams and the server's limit again
 		}
 		r.active.Store(false)
@@ -87,6 +88,16 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		backoff = min(2*backoff, r.cfg.MaxBackoff)
 	}
+}
+
+// serverAnswers reports whether the NATS server answers a ping within a second. Publishes
+// that got no PubAck from a server that answers point at a stream that stopped acknowledging
+// (no_ack), worth checking again; from one that does not, at a stalled server or path, where
+// the JetStream API would time out the same way and hold the relay in its setup instead of its
+// session, which keeps reporting to Postgres. Nothing is stuck writing at that point (see
+// errNoPubAck), so the ping cannot wait on a write holding nats.go's lock.
+func (r *Relay) serverAnswers() bool {
+	return r.cfg.NATS.FlushTimeout(time.Second) == nil
 }
 
 // session connects, becomes the active relay (or waits as standby), prepares the slot and
@@ -171,11 +182,24 @@ func (r *Relay) session(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("jetstream: %w", err)
 		}
-		if err := ensureStreams(ctx, js, cfg); err != nil {
+		batched, err := ensureStreams(ctx, js, cfg)
+		if err != nil {
 			r.m.errors.WithLabelValues("nats").Inc()
 			return err
 		}
-		r.streamsChecked, r.maxPayload = true, cfg.NATS.MaxPayload()
+		if batched != r.batched || !r.streamsChecked {
+			mode := "in fast-ingest batches"
+			if !batched {
+				mode = "event by event (the streams take no fast-ingest batches: nats-server 2.14 or later, allow_batched)"
+			}
+			log.Info("publishing "+mode, "classic_publish", cfg.ClassicPublish)
+		}
+		r.streamsChecked, r.maxPayload, r.batched = true, cfg.NATS.MaxPayload(), batched
+		if batched {
+			r.m.batched.Set(1)
+		} else {
+			r.m.batched.Set(0)
+		}
 	}
 
 	replCfg := connCfg.Config.Copy()
@@ -358,7 +382,7 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 // one fails or ctx ends.
 func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutFrames) error {
 	cfg := &r.cfg
-	p := newPipeline(cfg, r.m, &r.confirmed, natsSender(cfg.NATS))
+	p := newPipeline(cfg, r.m, &r.confirmed, natsSender(cfg.NATS), r.batched)
 	g, gctx := errgroup.WithContext(context.WithoutCancel(ctx))
 	stopping := ctx.Done()
 	g.Go(func() error {

@@ -104,8 +104,12 @@ func checkDatabase(ctx context.Context, conn *pgx.Conn, cfg *Config) error {
 	return nil
 }
 
-// ensureStreams creates the turns, outcomes and dead-letter streams or checks the existing ones.
-func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) error {
+// ensureStreams creates the turns, outcomes and dead-letter streams or checks the existing ones,
+// and reports whether every one of them takes fast-ingest batches (see batch.go): unless
+// cfg.ClassicPublish, it asks for allow_batched, on an existing stream too. A server older than
+// 2.14 does not know the setting and leaves it off; the relay then publishes event by event.
+func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (batched bool, err error) {
+	batched = !cfg.ClassicPublish
 	for _, s := range []struct {
 		name, kind, desc string
 		maxAge           time.Duration
@@ -127,25 +131,34 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) err
 			MaxBytes:    cfg.Streams.MaxBytes,
 			MaxMsgs:     -1,
 			Replicas:    cfg.Streams.Replicas,
+			// Stays false on a server that does not know it; checked below.
+			AllowBatchPublish: !cfg.ClassicPublish,
 		}
 		st, err := js.Stream(ctx, s.name)
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
-			if _, err := js.CreateStream(ctx, want); err != nil {
-				if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-					continue // created by a concurrent relay; checked on its next start
-				}
-				return fmt.Errorf("create stream %s: %w", s.name, err)
+			st, err = js.CreateStream(ctx, want)
+			if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+				// Created by a concurrent relay; checked on this relay's next start.
+				return false, nil
 			}
-			continue
+			if err != nil {
+				return false, fmt.Errorf("create stream %s: %w", s.name, err)
+			}
 		}
 		if err != nil {
-			return fmt.Errorf("look up stream %s: %w", s.name, err)
+			return false, fmt.Errorf("look up stream %s: %w", s.name, err)
 		}
-		if err := compatible(st.CachedInfo().Config, want, cfg.NATS.MaxPayload()); err != nil {
-			return fmt.Errorf("%w: stream %s exists with %w; change it or set another stream name", ErrSetup, s.name, err)
+		have := st.CachedInfo().Config
+		if err := compatible(have, want, cfg.NATS.MaxPayload()); err != nil {
+			return false, fmt.Errorf("%w: stream %s exists with %w; change it or set another stream name", ErrSetup, s.name, err)
+		}
+		if batched && !have.AllowBatchPublish {
+			have.AllowBatchPublish = true
+			info, err := js.UpdateStream(ctx, have)
+			batched = err == nil && info.CachedInfo().Config.AllowBatchPublish
 		}
 	}
-	return nil
+	return batched, nil
 }
 
 // compatible reports the settings of have that break what the relay relies on. Each of them

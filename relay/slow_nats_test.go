@@ -23,9 +23,21 @@ import (
 // holding the connection's lock for as long as FlusherTimeout allows (a minute by default).
 // None of that may reach the relay's own loop: it keeps sending status updates to Postgres,
 // notices the missing PubAcks within AckTimeout, and stops at once when told to.
+//
+// Both ways of publishing: event by event, where the publishes fill the socket and block, and in
+// fast-ingest batches, where the first message of a batch waits for its answer.
 func TestStalledNATSBlocksNeitherStatusUpdatesNorShutdown(t *testing.T) {
-	t.Parallel()
+	for _, classic := range []bool{false, true} {
+		t.Run(map[bool]string{false: "batched", true: "classic"}[classic], func(t *testing.T) {
+			t.Parallel()
+			stalledNATS(t, classic)
+		})
+	}
+}
+
+func stalledNATS(t *testing.T, classic bool) {
 	b := setup(t)
+	b.cfg.ClassicPublish = classic
 	ctx := ctxT(t, 3*time.Minute)
 	u, err := url.Parse(b.nats.URL())
 	require.NoError(t, err)

@@ -1,0 +1,325 @@
+package relay
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nuid"
+)
+
+// Batched publishing (JetStream fast-ingest batches, nats-server 2.14 and later, on streams
+// with allow_batched): when every stream allows it, the pipeline publishes each stream's
+// events as one ordered batch per lane instead of event by event.
+//
+// A batch is opened by its first message, whose reply tells the flow (the server
+// acknowledges every flow messages, and ramps that up); later messages are sent without
+// waiting, at most batchWindows flows ahead of the last acknowledgement. The relay asks for
+// gap mode "fail": the server stores a batch's messages in the order they were sent, without a
+// gap, and stops storing at the first one it cannot store (an error, a lost message, a leader
+// change), answering with an error. So a later event of a conversation can never be stored
+// when an earlier one was not, whatever the conversations: a batch keeps per-conversation
+// order without waiting for each event's PubAck, which is what lets one conversation's
+// backlog drain at the rate of many, and its acknowledgements come one per flow messages
+// instead of one per event. A failure ends the session, which replays from the confirmed LSN;
+// Nats-Msg-Id deduplication skips what was stored (a duplicate counts as stored in a batch).
+//
+// A lane that has sent nothing for batchIdleCommit is committed (an end-of-batch marker,
+// which stores nothing): the server then acknowledges every message of the batch, and the
+// batch ends before the server's 10 s inactivity limit abandons it. The next event opens a
+// new batch. A lane never has two batches open: the next one starts after the previous one's
+// final PubAck, so no failure of an earlier batch can follow a later batch's success.
+const (
+	// batchFlow is the largest flow the relay allows the server: at most this many messages
+	// between acknowledgements.
+	batchFlow = 500
+	// batchWindows is how many flows may be unacknowledged (the ADR's outstanding acks: 2
+	// lets the server store one window while the next is on its way).
+	batchWindows = 2
+	// batchIdleCommit is how long a lane sends nothing before its batch is committed.
+	batchIdleCommit = 2 * time.Millisecond
+)
+
+// The operations of a fast-ingest batch message, as its reply subject says.
+const (
+	opStart     = 0 // the first message: the server answers with the flow
+	opAppend    = 1
+	opCommitEOB = 3 // end of batch, storing nothing: the server answers with the batch's PubAck
+)
+
+// Lanes: the streams, each published in batches of its own.
+const (
+	laneTurns = iota
+	laneOutcomes
+	laneDeadLetter
+	laneCount
+)
+
+// laneOf returns the lane of an event.
+func laneOf(outcome bool, deadLetter string) int {
+	switch {
+	case deadLetter != "":
+		return laneDeadLetter
+	case outcome:
+		return laneOutcomes
+	}
+	return laneTurns
+}
+
+type laneState int
+
+const (
+	laneIdle       laneState = iota // no batch: the next event opens one
+	laneStarting                    // the first message is sent; waiting for the flow
+	laneOpen                        // sending
+	laneCommitting                  // the end-of-batch marker is sent; waiting for the PubAck
+)
+
+// lane is the batch of one stream. It is guarded by the pipeline's mu.
+type lane struct {
+	state    laneState
+	batch    string          // the open batch's id
+	seq      uint64          // messages sent in the batch
+	acked    uint64          // messages the server stored, as its acknowledgements say
+	flow     uint64          // the server acknowledges every flow messages
+	subject  string          // of the batch's first message: the end-of-batch marker goes there
+	events   []*pendingEvent // sent and not yet acknowledged, in batch order
+	lastSend time.Time
+}
+
+// batchToken is the reply token of message seq of batch id with operation op: the server reads
+// the batch from the reply subject, <inbox>.<id>.<flow>.<gap>.<seq>.<op>.$FI.
+func batchToken(id string, seq uint64, op int) string {
+	return id + "." + strconv.Itoa(batchFlow) + ".fail." + strconv.FormatUint(seq, 10) + "." + strconv.Itoa(op) + ".$FI"
+}
+
+// batchRef is what a reply's subject says: the batch, and the message it answers.
+type batchRef struct {
+	id  string
+	seq uint64
+}
+
+// parseBatchToken reads a reply token written by batchToken.
+func parseBatchToken(tok string) (batchRef, bool) {
+	rest, ok := strings.CutSuffix(tok, ".$FI")
+	if !ok {
+		return batchRef{}, false
+	}
+	f := strings.Split(rest, ".")
+	if len(f) != 5 {
+		return batchRef{}, false
+	}
+	seq, err := strconv.ParseUint(f[3], 10, 64)
+	if err != nil {
+		return batchRef{}, false
+	}
+	return batchRef{id: f[0], seq: seq}, true
+}
+
+// batchReply is a reply on a batch: a flow acknowledgement, or the batch's PubAck (final).
+type batchReply struct {
+	batchRef
+	final bool
+	acked uint64 // messages 1..acked of the batch are stored
+	flow  uint64 // a flow acknowledgement's new flow (0: unchanged)
+}
+
+// errBatchGap is the error of a batch the server found a message missing from.
+var errBatchGap = errors.New("the server missed a message of the batch (gap)")
+
+// batchResult reads the reply m on batch message ref.
+func batchResult(ref batchRef, m *nats.Msg) ackResult {
+	res := ackResult{batch: &batchReply{batchRef: ref}}
+	if len(m.Data) == 0 {
+		res.err = replyError(m) // a NATS status: no responders, or another
+		if res.err == nil {
+			res.err = fmt.Errorf("%w: empty reply", errInvalidPubAck)
+		}
+		return res
+	}
+	a, err := parsePubAck(m.Data)
+	switch {
+	case err != nil:
+		res.err = err
+	case a.apiErr != nil:
+		res.err = a.apiErr
+	case a.kind == "ack":
+		res.batch.acked, res.batch.flow = a.seq, a.msgs
+	case a.kind == "gap":
+		res.err = errBatchGap
+	case a.kind != "":
+		res.err = fmt.Errorf("%w: batch reply of type %q", errInvalidPubAck, a.kind)
+	case a.stream == "":
+		res.err = fmt.Errorf("%w: no stream in %q", errInvalidPubAck, m.Data)
+	default:
+		res.batch.final, res.batch.acked = true, a.count
+	}
+	return res
+}
+
+// sendBatched sends the queued events in batches (see batch.go) and commits idle lanes, and
+// reports whether the pipeline goes on. It returns when nothing is left to send now.
+func (p *pipeline) sendBatched() bool {
+	for {
+		msg, token, ev, wait := p.nextBatched(time.Now())
+		switch {
+		case wait:
+			if !p.awaitLanes() {
+				return false
+			}
+			continue
+		case msg == nil:
+			return !p.halted.Load()
+		}
+		if ev != nil {
+			ev.sentAt.Store(time.Now().UnixNano())
+		}
+		p.sending.Store(true)
+		err := p.send(msg, token)
+		p.sending.Store(false)
+		if err != nil {
+			p.m.errors.WithLabelValues("publish").Inc()
+			p.mu.Lock()
+			p.fail(fmt.Errorf("publish %s: %w", msg.Subject, err))
+			p.mu.Unlock()
+			return false
+		}
+	}
+}
+
+// nextBatched returns the next message to send and its reply token: the end-of-batch marker
+// of a lane idle for batchIdleCommit, or the next queued event (ev) in its lane's batch. wait
+// says the next event's lane cannot take it yet (its batch is starting or committing, or its
+// window is full). Nothing to send returns a nil msg.
+func (p *pipeline) nextBatched(now time.Time) (msg *nats.Msg, token string, ev *pendingEvent, wait bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.stopped {
+		return nil, "", nil, false
+	}
+	for i := range p.lanes {
+		l := &p.lanes[i]
+		if l.state == laneOpen && now.Sub(l.lastSend) >= batchIdleCommit && (len(p.out) == 0 || p.out[0].lane != i) {
+			l.state = laneCommitting
+			return nats.NewMsg(l.subject), batchToken(l.batch, l.seq+1, opCommitEOB), nil, false
+		}
+	}
+	if len(p.out) == 0 {
+		return nil, "", nil, false
+	}
+	ev = p.out[0]
+	l := &p.lanes[ev.lane]
+	op := opAppend
+	switch l.state {
+	case laneStarting, laneCommitting:
+		return nil, "", nil, true
+	case laneOpen:
+		if l.seq >= l.acked+l.flow*batchWindows {
+			return nil, "", nil, true
+		}
+	case laneIdle:
+		*l = lane{state: laneStarting, batch: nuid.Next(), subject: ev.msg.Subject, flow: 1, events: l.events[:0]}
+		op = opStart
+	}
+	p.out[0] = nil
+	p.out = p.out[1:]
+	l.seq++
+	ev.bseq = l.seq
+	l.events = append(l.events, ev)
+	l.lastSend = now
+	return ev.msg, batchToken(l.batch, l.seq, op), ev, false
+}
+
+// awaitLanes waits until a reply changed a lane, or an idle lane is due for its commit, and
+// reports whether the pipeline goes on.
+func (p *pipeline) awaitLanes() bool {
+	t := time.NewTimer(batchIdleCommit)
+	defer t.Stop()
+	select {
+	case <-p.laneKick:
+	case <-t.C:
+	case <-p.failed:
+		return false
+	case <-p.done:
+		return false
+	}
+	return true
+}
+
+// commitDue returns when the next open lane is due for its commit, and whether one is open.
+func (p *pipeline) commitDue() (time.Time, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var due time.Time
+	open := false
+	for i := range p.lanes {
+		if l := &p.lanes[i]; l.state == laneOpen {
+			if d := l.lastSend.Add(batchIdleCommit); !open || d.Before(due) {
+				due, open = d, true
+			}
+		}
+	}
+	return due, open
+}
+
+// batchAck takes a reply on a batch. mu is held. A reply to a batch no lane has open (a
+// previous session's, or one already ended) is dropped.
+func (p *pipeline) batchAck(a ackResult) error {
+	r := a.batch
+	var l *lane
+	for i := range p.lanes {
+		if p.lanes[i].state != laneIdle && p.lanes[i].batch == r.id {
+			l = &p.lanes[i]
+		}
+	}
+	if l == nil {
+		return nil
+	}
+	if a.err != nil {
+		p.m.errors.WithLabelValues("publish").Inc()
+		subject := l.subject
+		if i := int(r.seq) - int(l.seq-uint64(len(l.events))) - 1; i >= 0 && i < len(l.events) { //nolint:gosec // G115: batch sequences stay far below MaxInt
+			subject = l.events[i].msg.Subject
+		}
+		return fmt.Errorf("publish batch %s, message %d on %s: %w", r.id, r.seq, subject, a.err)
+	}
+	if r.final {
+		if r.acked != l.seq {
+			return fmt.Errorf("%w: batch %s stored %d of %d messages", errInvalidPubAck, r.id, r.acked, l.seq)
+		}
+		p.ackBatched(l, l.seq)
+		l.state, l.batch = laneIdle, ""
+	} else {
+		if l.state == laneStarting {
+			l.state = laneOpen
+		}
+		if r.flow > 0 {
+			l.flow = r.flow
+		}
+		p.ackBatched(l, min(r.acked, l.seq))
+	}
+	select {
+	case p.laneKick <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// ackBatched acknowledges the events of l up to batch message upTo. mu is held.
+func (p *pipeline) ackBatched(l *lane, upTo uint64) {
+	if upTo <= l.acked {
+		return
+	}
+	l.acked = upTo
+	n := 0
+	for n < len(l.events) && l.events[n].bseq <= upTo {
+		p.acked(l.events[n])
+		l.events[n] = nil
+		n++
+	}
+	l.events = l.events[n:]
+	p.advance()
+}

@@ -1,0 +1,52 @@
+package relay_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// hotBacklog commits n one-row transactions, all in conversation conv, with one DO block
+// (no round trip per transaction): a backlog of one hot conversation, in id order.
+func hotBacklog(t *testing.T, b *bundle, conv string, n int) {
+	t.Helper()
+	_, err := b.db.Pool.Exec(context.Background(), fmt.Sprintf(`DO $$
+BEGIN
+	FOR k IN 1..%d LOOP
+		INSERT INTO messages (id, conversation_id, role, content) VALUES ('hot-' || k, '%s', 'user', 'hello');
+		INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('%[2]s', 'hot-' || k);
+		COMMIT;
+	END LOOP;
+END $$`, n, conv))
+	require.NoError(t, err)
+}
+
+// One conversation's backlog, relayed by a relay process killed again and again in the middle
+// of it, reaches the stream exactly once and in order: batched publishing keeps a
+// conversation's order without waiting for each event's PubAck, across kills and replays.
+func TestKillLoopOnAHotConversation(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	createConversations(t, b.db.Pool, "hot")
+	b.startProcess(t).kill(t) // creates the slot: the backlog below comes through it
+	hotBacklog(t, b, "hot", 30000)
+	want := truth(t, b.db.Pool)
+
+	for range 6 {
+		p := b.startProcess(t)
+		select {
+		case <-p.streaming:
+		case <-time.After(time.Minute):
+			t.Fatal("relay process never streamed")
+		}
+		time.Sleep(time.Duration(20+rand.IntN(200)) * time.Millisecond) // a random moment of the catch-up
+		p.kill(t)
+	}
+	b.startProcess(t)
+	msgs := b.waitStream(t, "AGENT_TURNS", len(want), 2*time.Minute)
+	assertExactlyOnceInOrder(t, msgs, want)
+}
