@@ -101,6 +101,14 @@ func runBenchTurns(ctx context.Context, args []string, stdout, stderr io.Writer)
 	if err != nil {
 		return err
 	}
+	switch {
+	case opts.turns < 1:
+		return usageError{msg: "--turns must be at least 1"}
+	case opts.rounds < 1:
+		return usageError{msg: "--rounds must be at least 1"}
+	case *latency <= 0:
+		return usageError{msg: "--latency-duration must be positive"}
+	}
 	relayBin := opts.relayBin
 	if relayBin == "" {
 		if relayBin, err = os.Executable(); err != nil {
@@ -243,6 +251,9 @@ func (v *benchTurnsNames) Set(s string) error {
 		if part = strings.TrimSpace(part); part != "" {
 			out = append(out, part)
 		}
+	}
+	if len(out) == 0 {
+		return errors.New("no name given")
 	}
 	*v = out
 	return nil

@@ -47,7 +47,7 @@ type turnsResult struct {
 // summary is the progress line of a finished phase.
 func (r turnsResult) summary(ph turnsPhase) string {
 	if ph.kind == TurnsKindLatency {
-		return fmt.Sprintf("%d of %d replied (%d failed) at %.0f/s: p50 %s, p99 %s",
+		return fmt.Sprintf("%d of %d replied (%d failed) at %.0f/s: p50 %sms, p99 %sms",
 			r.done, r.sent, r.failed, r.achievedRate, turnsMS(r.p50), turnsMS(r.p99))
 	}
 	return fmt.Sprintf("%d of %d replied (%d failed) in %.2fs: %.0f turns/s", r.done, r.sent, r.failed, r.seconds, r.perSecond)
@@ -141,7 +141,8 @@ func (b *Turns) waitRelay(ctx context.Context, relay *exec.Cmd) error {
 		}
 		return fmt.Errorf("the relay exited before the phase ended (its log is above): %w", err)
 	}
-	if err != nil {
+	// Wait reports a relay that exited 0 after SIGTERM as ctx's error.
+	if err != nil && !errors.Is(err, context.Canceled) {
 		b.cfg.Logger.Warn("the relay did not stop cleanly", "error", err)
 	}
 	return nil
@@ -548,10 +549,10 @@ func turnsWaitSettled(ctx context.Context, db *turnsDB, after int64, every time.
 
 // turnsMetrics is what the bench reads from the workers' registries.
 type turnsMetrics struct {
-	turns               []float64 // per worker: turns ended, any outcome
-	claimSum, claimN    float64   // baton_worker_batch_size{statement="claim"}
-	commitSum, commitN  float64   // ... {statement="finish"}
-	conflicts, nacked   float64
+	turns              []float64 // per worker: turns ended, any outcome
+	claimSum, claimN   float64   // baton_worker_batch_size{statement="claim"}
+	commitSum, commitN float64   // ... {statement="finish"}
+	conflicts, nacked  float64
 }
 
 // metrics gathers the workers' registries.
