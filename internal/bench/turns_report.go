@@ -364,8 +364,9 @@ func (r *TurnsReport) WriteTable(w io.Writer) error {
 	multi := s.Rounds > 1
 	num := func(f TurnsFigure, prec int) string { return turnsFmtFigure(f, prec, multi) }
 	median := func(f TurnsFigure, prec int) string { return strconv.FormatFloat(f.Median, 'f', prec, 64) }
+	// replied shows the worst round.
 	replied := func(done, sent TurnsFigure, complete bool) string {
-		out := median(done, 0) + "/" + median(sent, 0)
+		out := strconv.FormatFloat(slices.Min(append([]float64{done.Median}, done.Rounds...)), 'f', 0, 64) + "/" + median(sent, 0)
 		if !complete {
 			out += " INCOMPLETE"
 		}
