@@ -403,10 +403,10 @@ func (b *Turns) measureLatency(ctx context.Context, db *turnsDB, prod *producer.
 		return res, err
 	}
 	type row struct {
-		status             string
-		created, claimed   time.Time
-		finished           time.Time
-		hasRun, isFinished bool
+		status           string
+		created, claimed time.Time
+		finished         time.Time
+		hasRun           bool
 	}
 	rows := map[int64]row{}
 	q, err := db.pool.Query(ctx, `

@@ -349,17 +349,25 @@ func turnsMS(d time.Duration) string { return strconv.FormatFloat(turnsMSFloat(d
 // targets. With several rounds, each main figure is the median followed by the rounds' values
 // in brackets.
 func (r *TurnsReport) WriteTable(w io.Writer) error {
+	// One tabwriter for everything: a line without tabs ends the column blocks above it, so
+	// each table aligns on its own.
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	var werr error
+	p := func(format string, args ...any) {
+		if werr == nil {
+			_, werr = fmt.Fprintf(tw, format, args...)
+		}
+	}
 	s := r.Settings
-	var b strings.Builder
-	fmt.Fprintf(&b, "baton bench turns: %d %s in %s\n", s.Rounds, turnsPlural(s.Rounds, "round"),
+	p("baton bench turns: %d %s in %s\n", s.Rounds, turnsPlural(s.Rounds, "round"),
 		(time.Duration(r.WallSeconds * float64(time.Second))).Round(time.Second))
-	fmt.Fprintf(&b, "  relay: a process of its own (%s)\n", s.Relay)
-	fmt.Fprintf(&b, "  workers: in this process, each with a pool (%d connections) and a NATS connection of its own; "+
+	p("  relay: a process of its own (%s)\n", s.Relay)
+	p("  workers: in this process, each with a pool (%d connections) and a NATS connection of its own; "+
 		"debounce %gms, poll interval %gms, up to %d turns at once\n", s.WorkerConns, s.DebounceMS, s.PollIntervalMS, s.MaxConcurrentTurns)
-	fmt.Fprintf(&b, "  handler: echo reply at once (no tools), or one read and one write tool per turn (tools)\n")
-	fmt.Fprintf(&b, "  producers: %d in this process; PostgreSQL: %s; NATS: %s\n", s.Producers, s.Postgres, s.NATS)
+	p("  handler: echo reply at once (no tools), or one read and one write tool per turn (tools)\n")
+	p("  producers: %d in this process; PostgreSQL: %s; NATS: %s\n", s.Producers, s.Postgres, s.NATS)
 	if s.Profile != "" {
-		fmt.Fprintf(&b, "  CPU profile of this process during the first throughput phase: %s\n", s.Profile)
+		p("  CPU profile of this process during the first throughput phase: %s\n", s.Profile)
 	}
 	multi := s.Rounds > 1
 	num := func(f TurnsFigure, prec int) string { return turnsFmtFigure(f, prec, multi) }
@@ -374,61 +382,56 @@ func (r *TurnsReport) WriteTable(w io.Writer) error {
 	}
 
 	if len(r.Throughput) > 0 {
-		fmt.Fprintf(&b, "\nthroughput: %d messages, one conversation each, from %d producers as fast as they go; "+
+		p("\nthroughput: %d messages, one conversation each, from %d producers as fast as they go; "+
 			"first producer commit → last reply commit\n", s.Turns, s.Producers)
-		tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "source\tworkers\thandler\treplied\tseconds\tturns/s\tclaim batch\tcommit batch\tconflicts\tnacked")
+		p("source\tworkers\thandler\treplied\tseconds\tturns/s\tclaim batch\tcommit batch\tconflicts\tnacked\n")
 		for _, t := range r.Throughput {
 			handler := "no tools"
 			if t.Tools {
 				handler = "tools"
 			}
-			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.Source, t.Workers, handler,
+			p("%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.Source, t.Workers, handler,
 				replied(t.Done, t.Sent, t.Complete), median(t.Seconds, 2), num(t.TurnsPerSecond, 0),
 				median(t.ClaimBatch, 1), median(t.CommitBatch, 1), median(t.ClaimConflicts, 0), median(t.EventsNacked, 0))
 		}
-		_ = tw.Flush() // writes to b, which does not fail
 	}
 	if len(r.Latency) > 0 {
-		fmt.Fprintf(&b, "\nlatency: producer commit → reply commit, %gs per rate (ms; wait = row written → claimed, "+
+		p("\nlatency: producer commit → reply commit, %gs per rate (ms; wait = row written → claimed, "+
 			"turn = claimed → committed, by the database's clock)\n", s.LatencySeconds)
-		tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "source\tworkers\trate/s\tachieved/s\tconversations\treplied\tp50\tp99\twait p50\twait p99\tturn p50\tturn p99")
+		p("source\tworkers\trate/s\tachieved/s\tconversations\treplied\tp50\tp99\twait p50\twait p99\tturn p50\tturn p99\n")
 		for _, l := range r.Latency {
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", l.Source, l.Workers, l.Rate,
+			p("%s\t%d\t%d\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", l.Source, l.Workers, l.Rate,
 				median(l.AchievedRate, 0), l.Conversations, replied(l.Done, l.Sent, l.Complete),
 				num(l.P50MS, 2), num(l.P99MS, 2), median(l.WaitP50MS, 2), median(l.WaitP99MS, 2),
 				median(l.TurnP50MS, 2), median(l.TurnP99MS, 2))
 		}
-		_ = tw.Flush()
 	}
 	if len(r.Ratios) > 0 {
-		fmt.Fprintf(&b, "\nratios (of the same round; median over the rounds)\n")
-		tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
+		p("\nratios (of the same round; median over the rounds)\n")
 		for _, x := range r.Ratios {
-			fmt.Fprintf(tw, "  %s\t%s\n", x.Name, num(x.Value, 2))
+			p("  %s\t%s\n", x.Name, num(x.Value, 2))
 		}
-		_ = tw.Flush()
 	}
-	fmt.Fprintf(&b, "\ntargets (issue 12; jetstream source)\n")
-	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "  target\twant\tmeasured\t")
+	p("\ntargets (issue 12; jetstream source)\n")
+	p("  target\twant\tmeasured\t\n")
 	for _, t := range r.Targets {
 		switch {
 		case t.Value == nil:
-			fmt.Fprintf(tw, "  %s\t%s\t-\tnot measured\n", t.Name, t.Want)
+			p("  %s\t%s\t-\tnot measured\n", t.Name, t.Want)
 		case *t.Met:
-			fmt.Fprintf(tw, "  %s\t%s\t%s\tmet\n", t.Name, t.Want, turnsFmtValue(*t.Value))
+			p("  %s\t%s\t%s\tmet\n", t.Name, t.Want, turnsFmtValue(*t.Value))
 		default:
-			fmt.Fprintf(tw, "  %s\t%s\t%s\tMISSED\n", t.Name, t.Want, turnsFmtValue(*t.Value))
+			p("  %s\t%s\t%s\tMISSED\n", t.Name, t.Want, turnsFmtValue(*t.Value))
 		}
 	}
-	_ = tw.Flush()
 	if !r.Complete() {
-		fmt.Fprintf(&b, "\nINCOMPLETE: some messages got no reply or failed (see the replied column)\n")
+		p("\nINCOMPLETE: some messages got no reply or failed (see the replied column)\n")
 	}
-	if _, err := io.WriteString(w, b.String()); err != nil {
-		return fmt.Errorf("write the report: %w", err)
+	if werr == nil {
+		werr = tw.Flush()
+	}
+	if werr != nil {
+		return fmt.Errorf("write the report: %w", werr)
 	}
 	return nil
 }
