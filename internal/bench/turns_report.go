@@ -413,7 +413,7 @@ func (r *TurnsReport) WriteTable(w io.Writer) error {
 		}
 	}
 	p("\ntargets (issue 12; jetstream source)\n")
-	p("  target\twant\tmeasured\t\n")
+	p("  target\twant\tmeasured\tresult\n")
 	for _, t := range r.Targets {
 		switch {
 		case t.Value == nil:
