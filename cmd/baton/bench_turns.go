@@ -51,7 +51,9 @@ on stderr. --json writes the report as JSON instead:
   throughput[]        per throughput or tools phase: source, workers, tools, complete (every
                       message replied in every round), and figures sent, done, failed, seconds,
                       turns_per_second, claim_batch, commit_batch (conversations per statement),
-                      claim_conflicts, events_nacked
+                      claim_conflicts, events_nacked, process_cpu_cores (CPU time of
+                      this process, which holds workers, producers and an embedded NATS,
+                      over seconds)
   latency[]           per latency phase: source, workers, rate, conversations, complete, and
                       figures sent, done, failed, achieved_rate, p50_ms, p99_ms, wait_p50_ms,
                       wait_p99_ms (row written → claimed), turn_p50_ms, turn_p99_ms (claimed →

@@ -48,6 +48,7 @@ func TestBenchTurnsTiny(t *testing.T) {
 		require.Positive(t, tp.TurnsPerSecond.Median, "%+v", tp)
 		require.Positive(t, tp.Seconds.Median, "%+v", tp)
 		require.Positive(t, tp.CommitBatch.Median, "%+v", tp)
+		require.Positive(t, tp.ProcessCPUCores.Median, "%+v", tp)
 	}
 	require.Len(t, rep.Latency, 4) // 2 sources × 2 rates
 	for _, l := range rep.Latency {

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"runtime/pprof"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -32,6 +33,7 @@ type turnsResult struct {
 	commitBatch float64 // conversations per final-commit statement, mean
 	conflicts   float64 // claims that found the conversation held by another run
 	nacked      float64 // JetStream events nacked (redelivered later)
+	cpuCores    float64 // CPU time of this process (workers, producers, embedded NATS) / seconds
 
 	// Latency phases.
 	conversations int
@@ -283,10 +285,18 @@ func (b *Turns) measureThroughput(ctx context.Context, db *turnsDB, prod *produc
 		}
 	}
 	defer func() { err = errors.Join(err, stopProfile()) }()
+	cpuBefore, err := turnsCPU()
+	if err != nil {
+		return res, err
+	}
 	if err := turnsSendAll(ctx, db.pool, prod, msgs); err != nil {
 		return res, err
 	}
 	if err := turnsWaitSettled(ctx, db, mark, 100*time.Millisecond); err != nil {
+		return res, err
+	}
+	cpuAfter, err := turnsCPU()
+	if err != nil {
 		return res, err
 	}
 	if err := stopProfile(); err != nil {
@@ -310,11 +320,21 @@ func (b *Turns) measureThroughput(ctx context.Context, db *turnsDB, prod *produc
 		return res, fmt.Errorf("the last reply committed (%v) no later than the first message (%v)", last, first)
 	}
 	res.perSecond = float64(b.cfg.Turns) / res.seconds
+	res.cpuCores = (cpuAfter - cpuBefore).Seconds() / res.seconds
 	res.claimBatch = (after.claimSum - before.claimSum) / math.Max(after.claimN-before.claimN, 1)
 	res.commitBatch = (after.commitSum - before.commitSum) / math.Max(after.commitN-before.commitN, 1)
 	res.conflicts = after.conflicts - before.conflicts
 	res.nacked = after.nacked - before.nacked
 	return res, nil
+}
+
+// turnsCPU is the CPU time this process used so far, user and system.
+func turnsCPU() (time.Duration, error) {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0, fmt.Errorf("getrusage: %w", err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), nil
 }
 
 // turnsStartProfile starts a CPU profile of this process into dir/worker.pprof; stop ends it.

@@ -94,6 +94,9 @@ type TurnsThroughput struct {
 	CommitBatch    TurnsFigure `json:"commit_batch"`
 	ClaimConflicts TurnsFigure `json:"claim_conflicts"` // baton_worker_claim_conflicts_total
 	EventsNacked   TurnsFigure `json:"events_nacked"`   // baton_worker_events_total{result="nacked"}
+	// ProcessCPUCores is the CPU time of the bench process (workers, producers and, when
+	// embedded, the NATS server; not the relay or PostgreSQL) over Seconds: the cores it kept busy.
+	ProcessCPUCores TurnsFigure `json:"process_cpu_cores"`
 }
 
 // TurnsLatency is a latency phase: Rate messages per second for Settings.LatencySeconds,
@@ -219,12 +222,13 @@ func (b *Turns) report(env *turnsEnv, results [][]turnsResult, wall time.Duratio
 		rep.Throughput = append(rep.Throughput, TurnsThroughput{
 			Source: ph.source, Workers: ph.workers, Tools: ph.kind == TurnsKindTools,
 			Complete: complete(i), Sent: sent, Done: done, Failed: failed,
-			Seconds:        fig(i, func(r turnsResult) float64 { return r.seconds }),
-			TurnsPerSecond: fig(i, func(r turnsResult) float64 { return r.perSecond }),
-			ClaimBatch:     fig(i, func(r turnsResult) float64 { return r.claimBatch }),
-			CommitBatch:    fig(i, func(r turnsResult) float64 { return r.commitBatch }),
-			ClaimConflicts: fig(i, func(r turnsResult) float64 { return r.conflicts }),
-			EventsNacked:   fig(i, func(r turnsResult) float64 { return r.nacked }),
+			Seconds:         fig(i, func(r turnsResult) float64 { return r.seconds }),
+			TurnsPerSecond:  fig(i, func(r turnsResult) float64 { return r.perSecond }),
+			ClaimBatch:      fig(i, func(r turnsResult) float64 { return r.claimBatch }),
+			CommitBatch:     fig(i, func(r turnsResult) float64 { return r.commitBatch }),
+			ClaimConflicts:  fig(i, func(r turnsResult) float64 { return r.conflicts }),
+			EventsNacked:    fig(i, func(r turnsResult) float64 { return r.nacked }),
+			ProcessCPUCores: fig(i, func(r turnsResult) float64 { return r.cpuCores }),
 		})
 	}
 	b.ratiosAndTargets(rep, results)
@@ -383,16 +387,18 @@ func (r *TurnsReport) WriteTable(w io.Writer) error {
 
 	if len(r.Throughput) > 0 {
 		p("\nthroughput: %d messages, one conversation each, from %d producers as fast as they go; "+
-			"first producer commit → last reply commit\n", s.Turns, s.Producers)
-		p("source\tworkers\thandler\treplied\tseconds\tturns/s\tclaim batch\tcommit batch\tconflicts\tnacked\n")
+			"first producer commit → last reply commit; bench cpu = cores this process kept busy "+
+			"(workers, producers, embedded NATS; not the relay or PostgreSQL)\n", s.Turns, s.Producers)
+		p("source\tworkers\thandler\treplied\tseconds\tturns/s\tclaim batch\tcommit batch\tconflicts\tnacked\tbench cpu\n")
 		for _, t := range r.Throughput {
 			handler := "no tools"
 			if t.Tools {
 				handler = "tools"
 			}
-			p("%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.Source, t.Workers, handler,
+			p("%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.Source, t.Workers, handler,
 				replied(t.Done, t.Sent, t.Complete), median(t.Seconds, 2), num(t.TurnsPerSecond, 0),
-				median(t.ClaimBatch, 1), median(t.CommitBatch, 1), median(t.ClaimConflicts, 0), median(t.EventsNacked, 0))
+				median(t.ClaimBatch, 1), median(t.CommitBatch, 1), median(t.ClaimConflicts, 0), median(t.EventsNacked, 0),
+				median(t.ProcessCPUCores, 2))
 		}
 	}
 	if len(r.Latency) > 0 {
