@@ -51,9 +51,8 @@ on stderr. --json writes the report as JSON instead:
   throughput[]        per throughput or tools phase: source, workers, tools, complete (every
                       message replied in every round), and figures sent, done, failed, seconds,
                       turns_per_second, claim_batch, commit_batch (conversations per statement),
-                      claim_conflicts, events_nacked, process_cpu_cores (CPU time of
-                      this process, which holds workers, producers and an embedded NATS,
-                      over seconds)
+                      claim_conflicts, events_nacked, process_cpu_cores (CPU time of this
+                      process, which holds workers, producers and an embedded NATS, / seconds)
   latency[]           per latency phase: source, workers, rate, conversations, complete, and
                       figures sent, done, failed, achieved_rate, p50_ms, p99_ms, wait_p50_ms,
                       wait_p99_ms (row written → claimed), turn_p50_ms, turn_p99_ms (claimed →
@@ -88,12 +87,12 @@ func runBenchTurns(ctx context.Context, args []string, stdout, stderr io.Writer)
 		only:    benchTurnsNames(bench.TurnsKinds),
 	}
 	fs.IntVar(&opts.turns, "turns", bench.DefaultTurnsTurns, "messages per throughput phase")
-	fs.Var(&opts.rates, "rates", "turns per second of the latency phases, comma-separated")
-	fs.Var(&opts.workers, "workers", "worker counts of the throughput phases, comma-separated; the first is also\n"+
+	fs.Var(&opts.rates, "rates", "turns per second of the latency phases: a comma-separated `list`")
+	fs.Var(&opts.workers, "workers", "worker counts of the throughput phases: a comma-separated `list`; the first is also\n"+
 		"the count of the tools and latency phases")
 	latency := fs.Duration("latency-duration", bench.DefaultTurnsLatencyDuration, "how long each latency phase sends")
-	fs.Var(&opts.sources, "sources", "sources to run, comma-separated: "+strings.Join(bench.TurnsSources, ", "))
-	fs.Var(&opts.only, "only", "kinds of phase to run, comma-separated: "+strings.Join(bench.TurnsKinds, ", "))
+	fs.Var(&opts.sources, "sources", "sources to run: a comma-separated `list` of "+strings.Join(bench.TurnsSources, ", "))
+	fs.Var(&opts.only, "only", "kinds of phase to run: a comma-separated `list` of "+strings.Join(bench.TurnsKinds, ", "))
 	fs.IntVar(&opts.rounds, "rounds", bench.DefaultTurnsRounds, "run every phase this many times and report medians")
 	fs.BoolVar(&opts.jsonOut, "json", false, "write the report as JSON")
 	fs.StringVar(&opts.profile, "profile", "", "write a CPU profile of this process (workers, producers) during the first\n"+

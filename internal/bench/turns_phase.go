@@ -328,6 +328,9 @@ func (b *Turns) measureThroughput(ctx context.Context, db *turnsDB, prod *produc
 	return res, nil
 }
 
+// turnsProfileFile is the CPU profile's name in TurnsConfig.ProfileDir.
+const turnsProfileFile = "worker.pprof"
+
 // turnsCPU is the CPU time this process used so far, user and system.
 func turnsCPU() (time.Duration, error) {
 	var ru syscall.Rusage
@@ -342,7 +345,7 @@ func turnsStartProfile(dir string) (stop func() error, err error) {
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		return nil, fmt.Errorf("profile dir: %w", err)
 	}
-	path := filepath.Join(dir, "worker.pprof")
+	path := filepath.Join(dir, turnsProfileFile)
 	f, err := os.Create(path) //nolint:gosec // G304: the file the user asked for
 	if err != nil {
 		return nil, fmt.Errorf("profile: %w", err)

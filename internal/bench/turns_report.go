@@ -3,6 +3,7 @@ package bench
 import (
 	"fmt"
 	"io"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -178,7 +179,7 @@ func (b *Turns) report(env *turnsEnv, results [][]turnsResult, wall time.Duratio
 		WallSeconds: wall.Seconds(),
 	}
 	if b.cfg.ProfileDir != "" {
-		rep.Settings.Profile = b.cfg.ProfileDir + "/worker.pprof"
+		rep.Settings.Profile = filepath.Join(b.cfg.ProfileDir, turnsProfileFile)
 	}
 	// fig collects one value of phase i over the rounds.
 	fig := func(i int, v func(turnsResult) float64) TurnsFigure {
