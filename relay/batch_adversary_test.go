@@ -5,10 +5,15 @@ package relay_test
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/wire"
 )
 
 // Adversarial tests of batched publishing (dcdddcf) at the relay level. Pipeline-level ones are
@@ -85,4 +90,122 @@ func TestBatchAdversaryNATSRestartMidBacklog(t *testing.T) {
 	msgs := b.waitStream(t, "AGENT_TURNS", len(want), 2*time.Minute)
 	assertExactlyOnceInOrder(t, msgs, want)
 	requireSlotCaughtUp(t, b)
+}
+
+// The lost-commit stall of TestBatchAdversaryLostCommitAckStallsTheLane on a real server and a
+// real network fault: the relay's connection is reset after the flow acknowledgement of a
+// batch's only event arrived and before the end-of-batch commit's PubAck did. nats.go
+// reconnects, the pipeline never hears of it, and the turns lane stays "committing": the next
+// turn is never published and never times out.
+//
+// The server acknowledges every message (flow 1) because another fast batch is open on the
+// stream (here the test's own, kept alive by pings; in production another fast publisher,
+// or the relay's previous session's abandoned batch). A proxy latency of 200 ms per chunk
+// makes the window between the two replies 400 ms wide.
+//
+// Fails on dcdddcf (when the reset lands in the window, which the log says): the second
+// turn never reaches the stream. With ClassicPublish the same test passes.
+func TestBatchAdversaryResetBeforeCommitAckStalls(t *testing.T) {
+	t.Parallel()
+	resetBeforeCommitAck(t, false)
+}
+
+func resetBeforeCommitAck(t *testing.T, classic bool) {
+	b := setup(t)
+	b.cfg.ClassicPublish = classic
+	ctx := ctxT(t, 2*time.Minute)
+	u, err := url.Parse(b.nats.URL())
+	require.NoError(t, err)
+	proxy := testsvc.StartProxy(t, u.Host)
+	nc, err := nats.Connect("nats://"+proxy.Addr(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	b.cfg.NATS = nc
+	createConversations(t, b.db.Pool, "c")
+	b.startActive(t)
+
+	// A fast batch of the test's own on AGENT_TURNS (one stored message, no outbox id), open
+	// for the whole test.
+	foreign, err := wire.TurnSubject("agent", "foreign")
+	require.NoError(t, err)
+	inbox := nats.NewInbox()
+	replies, err := b.nc.SubscribeSync(inbox + ".>")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = replies.Unsubscribe() })
+	if classic { // the relay did not enable it
+		s, err := b.js.Stream(ctx, "AGENT_TURNS")
+		require.NoError(t, err)
+		cfg := s.CachedInfo().Config
+		cfg.AllowBatchPublish = true
+		_, err = b.js.UpdateStream(ctx, cfg)
+		require.NoError(t, err)
+	}
+	m := nats.NewMsg(foreign)
+	m.Data = []byte("foreign")
+	m.Reply = inbox + ".FOREIGN.1.fail.1.0.$FI"
+	require.NoError(t, b.nc.PublishMsg(m))
+	r, err := replies.NextMsg(5 * time.Second)
+	require.NoError(t, err)
+	t.Logf("foreign batch opened: %s", r.Data)
+	stopPing := make(chan struct{})
+	pinged := make(chan struct{})
+	go func() {
+		defer close(pinged)
+		for {
+			select {
+			case <-stopPing:
+				return
+			case <-time.After(2 * time.Second):
+				_ = b.nc.PublishRequest(foreign, inbox+".FOREIGN.1.fail.1.4.$FI", nil)
+			}
+		}
+	}()
+	t.Cleanup(func() { close(stopPing); <-pinged })
+	b.waitStreamCount(t, "AGENT_TURNS", 1, 10*time.Second)
+
+	proxy.SetLatency(200 * time.Millisecond)
+	want := map[int64]string{}
+	id, err := send(ctx, b.db.Pool, "c", "m1")
+	require.NoError(t, err)
+	want[id] = "c"
+	start := time.Now()
+	b.waitStreamCount(t, "AGENT_TURNS", 2, 10*time.Second)
+	stored := time.Since(start)
+	// Stored at ~200 ms after the send; the flow acks reach the relay at ~400 ms, the commit
+	// goes out then and its PubAck comes back at ~800 ms.
+	time.Sleep(350 * time.Millisecond)
+	proxy.ResetAll()
+	proxy.SetLatency(0)
+	t.Logf("event stored %s after the commit, connection reset %s after it", stored, time.Since(start))
+
+	id, err = send(ctx, b.db.Pool, "c", "m2")
+	require.NoError(t, err)
+	want[id] = "c"
+	deadline := time.Now().Add(4 * b.cfg.AckTimeout)
+	var n uint64
+	for time.Now().Before(deadline) {
+		s, err := b.js.Stream(context.Background(), "AGENT_TURNS")
+		require.NoError(t, err)
+		info, err := s.Info(context.Background())
+		require.NoError(t, err)
+		if n = info.State.Msgs; n >= 3 {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	require.EqualValues(t, 3, n, "the turn committed after the reset was never published within %s (AckTimeout %s)",
+		4*b.cfg.AckTimeout, b.cfg.AckTimeout)
+	var ours []got
+	for _, g := range b.readStream(t, "AGENT_TURNS") {
+		if g.subject != foreign {
+			ours = append(ours, g)
+		}
+	}
+	assertExactlyOnceInOrder(t, ours, want)
+}
+
+// The same fault with ClassicPublish: expected to hold (the control of the test above).
+func TestBatchAdversaryResetBeforeCommitAckClassicControl(t *testing.T) {
+	t.Parallel()
+	resetBeforeCommitAck(t, true)
 }
