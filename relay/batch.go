@@ -3,11 +3,13 @@ package relay
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nuid"
 )
 
@@ -88,6 +90,9 @@ type lane struct {
 	subject  string          // of the batch's first message: the end-of-batch marker goes there
 	events   []*pendingEvent // sent and not yet acknowledged, in batch order
 	lastSend time.Time
+	// committed is when the end-of-batch marker was sent: its PubAck is timed like an event's,
+	// since every event of the batch may be acknowledged already and later ones wait unsent.
+	committed time.Time
 }
 
 // batchToken is the reply token of message seq of batch id with operation op: the server reads
@@ -130,6 +135,16 @@ type batchReply struct {
 // errBatchGap is the error of a batch the server found a message missing from.
 var errBatchGap = errors.New("the server missed a message of the batch (gap)")
 
+// errBatchRefused marks an error saying the stream takes no fast-ingest batches (any more:
+// someone turned allow_batched off) or refused the batch's form: the streams are checked
+// again before the next session, which then publishes event by event unless the check turns
+// batches back on.
+var errBatchRefused = errors.New("the stream refused the batch")
+
+// batchRefusals are the JetStream error codes of errBatchRefused: batch publish disabled,
+// invalid pattern, invalid batch id, unknown batch id (ADR-50).
+var batchRefusals = []jetstream.ErrorCode{10205, 10206, 10207, 10208}
+
 // batchResult reads the reply m on batch message ref.
 func batchResult(ref batchRef, m *nats.Msg) ackResult {
 	res := ackResult{batch: &batchReply{batchRef: ref}}
@@ -144,6 +159,8 @@ func batchResult(ref batchRef, m *nats.Msg) ackResult {
 	switch {
 	case err != nil:
 		res.err = err
+	case a.apiErr != nil && slices.Contains(batchRefusals, a.apiErr.ErrorCode):
+		res.err = fmt.Errorf("%w: %w", errBatchRefused, a.apiErr)
 	case a.apiErr != nil:
 		res.err = a.apiErr
 	case a.kind == "ack":
@@ -203,7 +220,7 @@ func (p *pipeline) nextBatched(now time.Time) (msg *nats.Msg, token string, ev *
 	for i := range p.lanes {
 		l := &p.lanes[i]
 		if l.state == laneOpen && now.Sub(l.lastSend) >= batchIdleCommit && (len(p.out) == 0 || p.out[0].lane != i) {
-			l.state = laneCommitting
+			l.state, l.committed = laneCommitting, now
 			return nats.NewMsg(l.subject), batchToken(l.batch, l.seq+1, opCommitEOB), nil, false
 		}
 	}
@@ -322,4 +339,18 @@ func (p *pipeline) ackBatched(l *lane, upTo uint64) {
 	}
 	l.events = l.events[n:]
 	p.advance()
+}
+
+// checkCommits fails like checkAckTimeout when a lane's end-of-batch marker waited longer than
+// AckTimeout for its PubAck (lost with a dropped connection, or not answered by a replica
+// that just lost the stream's leadership). mu is held.
+func (p *pipeline) checkCommits(now time.Time) error {
+	for i := range p.lanes {
+		l := &p.lanes[i]
+		if l.state == laneCommitting && now.Sub(l.committed) > p.ackTimeout {
+			p.m.errors.WithLabelValues("publish").Inc()
+			return fmt.Errorf("commit batch %s on %s: no PubAck within %s", l.batch, l.subject, p.ackTimeout)
+		}
+	}
+	return nil
 }

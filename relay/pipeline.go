@@ -202,7 +202,11 @@ func (p *pipeline) tick(now time.Time) error {
 	defer p.mu.Unlock()
 	p.m.inFlight.Set(float64(p.inFlight + p.queued))
 	p.m.inFlightBytes.Set(float64(p.bytes))
-	if err := p.checkAckTimeout(now); err != nil {
+	err := p.checkAckTimeout(now)
+	if err == nil && p.batched {
+		err = p.checkCommits(now)
+	}
+	if err != nil {
 		p.fail(err)
 		return err
 	}

@@ -63,7 +63,8 @@ func (r *Relay) Run(ctx context.Context) error {
 	for {
 		started := time.Now()
 		err := r.session(ctx)
-		if errors.Is(err, errNoResponders) || errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, errNoPubAck) && r.serverAnswers() {
+		if errors.Is(err, errNoResponders) || errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, errBatchRefused) ||
+			errors.Is(err, errNoPubAck) && r.serverAnswers() {
 			r.streamsChecked = false // check the streams and the server's limit again
 		}
 		r.active.Store(false)

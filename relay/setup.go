@@ -138,8 +138,10 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (ba
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
 			st, err = js.CreateStream(ctx, want)
 			if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-				// Created by a concurrent relay; checked on this relay's next start.
-				return false, nil
+				// Created by a concurrent relay; checked on this relay's next start, and
+				// published to event by event until then.
+				batched = false
+				continue
 			}
 			if err != nil {
 				return false, fmt.Errorf("create stream %s: %w", s.name, err)

@@ -1,5 +1,3 @@
-//go:build adversary
-
 package relay
 
 import (
@@ -12,8 +10,8 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// Adversarial tests of batched publishing at the pipeline level (see batch_adversary_test.go
-// for the relay-level ones). Run with: go test -tags adversary -run TestBatchAdversary ./relay/
+// Faults against batched publishing at the pipeline level (see batch_fault_test.go for the
+// relay-level ones).
 
 // startBatched runs a batched pipeline publishing through open and returns it with run's
 // result channel; the pipeline is aborted when the test ends.
@@ -37,12 +35,11 @@ func startBatched(t *testing.T, nc *nats.Conn, open openSender, ackTimeout time.
 	return p, confirmed, done
 }
 
-// The end-of-batch commit is the only message of a batch that is not an event, and nothing
-// times it: when every event of the batch was already covered by a flow acknowledgement and
-// the commit's final PubAck never arrives, the lane stays "committing" forever, and every
-// later event of that stream waits behind it in p.out, unsent and untimed (sentAt 0), so the
-// ack timeout never fires either. The session neither fails nor progresses: nothing more is
-// published to the stream and the confirmed LSN stops, while the relay looks healthy.
+// The end-of-batch commit is the only message of a batch that is not an event: when every
+// event of the batch was already covered by a flow acknowledgement and the commit's final
+// PubAck never arrives, only the commit's own timing ends the session; without it the lane
+// stayed "committing" forever, every later event of that stream waited behind it unsent and
+// untimed, and the confirmed LSN stopped while the relay looked healthy.
 //
 // Lost here by dropping the final PubAck in the sender's deliver function. On a real server it
 // is lost when the EOB (or its reply) dies with a connection (nats.go reconnects without the
@@ -52,8 +49,8 @@ func startBatched(t *testing.T, nc *nats.Conn, open openSender, ackTimeout time.
 // a burst of exactly flow events (here 500), or any batch at flow 1 (the server's initial flow
 // whenever the stream has another fast batch open, e.g. the previous session's abandoned one).
 //
-// Fails on dcdddcf: the second transaction is never confirmed and run never returns.
-func TestBatchAdversaryLostCommitAckStallsTheLane(t *testing.T) {
+// Failed on dcdddcf: the second transaction was never confirmed and run never returned.
+func TestLostCommitPubAckEndsTheSession(t *testing.T) {
 	t.Parallel()
 	nc := connectNATS(t)
 	batchStream(t, nc, -1)

@@ -1,5 +1,3 @@
-//go:build adversary
-
 package relay_test
 
 import (
@@ -16,21 +14,18 @@ import (
 	"github.com/batonhq/baton/wire"
 )
 
-// Adversarial tests of batched publishing (dcdddcf) at the relay level. Pipeline-level ones are
-// in batch_adversary_internal_test.go. Run with:
-//
-//	go test -tags adversary -run TestBatchAdversary -count=1 ./relay/
+// Faults against batched publishing at the relay level, found by an adversarial review of it
+// (each "Failed on dcdddcf" test failed on that commit). Pipeline-level ones are in
+// batch_fault_internal_test.go.
 
 // allow_batched turned off on a running relay's stream (an operator's `nats stream edit`, an
 // IaC tool reconciling the stream to a config without the field, the stream deleted and
 // recreated by hand): every batch message is refused with "batch publish not enabled"
-// (10205), the session ends and the next one publishes in batches again, because nothing
-// makes the relay check the streams again (only no responders, max payload and a PubAck
-// timeout do). The relay loops forever without publishing anything, although event-by-event
-// publishing would work: a permanent outage until the process restarts.
+// (10205) and the session ends. The relay then checks the streams again before the next
+// session (it used to retry batches forever, publishing nothing, until a restart).
 //
-// Fails on dcdddcf: the three rows committed after the edit never reach the stream.
-func TestBatchAdversaryAllowBatchedTurnedOff(t *testing.T) {
+// Failed on dcdddcf: the three rows committed after the edit never reached the stream.
+func TestAllowBatchedTurnedOffWhileRunning(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := ctxT(t, 2*time.Minute)
@@ -75,7 +70,7 @@ func TestBatchAdversaryAllowBatchedTurnedOff(t *testing.T) {
 // NATS stopped and started again in the middle of one conversation's backlog: batches die
 // with the server, nats.go replays its reconnect buffer into a server that knows none of them.
 // Expected to hold (exactly once, in order).
-func TestBatchAdversaryNATSRestartMidBacklog(t *testing.T) {
+func TestNATSRestartMidHotBacklog(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	createConversations(t, b.db.Pool, "hot")
@@ -92,20 +87,21 @@ func TestBatchAdversaryNATSRestartMidBacklog(t *testing.T) {
 	requireSlotCaughtUp(t, b)
 }
 
-// The lost-commit stall of TestBatchAdversaryLostCommitAckStallsTheLane on a real server and a
+// The lost-commit stall of TestLostCommitPubAckEndsTheSession on a real server and a
 // real network fault: the relay's connection is reset after the flow acknowledgement of a
 // batch's only event arrived and before the end-of-batch commit's PubAck did. nats.go
-// reconnects, the pipeline never hears of it, and the turns lane stays "committing": the next
-// turn is never published and never times out.
+// reconnects and the pipeline never hears of it: the commit's PubAck is timed like an event's,
+// so the session ends after AckTimeout and the next one publishes the turn (it used to stay
+// "committing" forever: the next turn was never published and never timed out).
 //
 // The server acknowledges every message (flow 1) because another fast batch is open on the
 // stream (here the test's own, kept alive by pings; in production another fast publisher,
 // or the relay's previous session's abandoned batch). A proxy latency of 200 ms per chunk
 // makes the window between the two replies 400 ms wide.
 //
-// Fails on dcdddcf (when the reset lands in the window, which the log says): the second
-// turn never reaches the stream. With ClassicPublish the same test passes.
-func TestBatchAdversaryResetBeforeCommitAckStalls(t *testing.T) {
+// Failed on dcdddcf (when the reset lands in the window, which the log says): the second
+// turn never reached the stream. With ClassicPublish the same test passed.
+func TestResetBeforeTheCommitPubAck(t *testing.T) {
 	t.Parallel()
 	resetBeforeCommitAck(t, false)
 }
@@ -204,8 +200,8 @@ func resetBeforeCommitAck(t *testing.T, classic bool) {
 	assertExactlyOnceInOrder(t, ours, want)
 }
 
-// The same fault with ClassicPublish: expected to hold (the control of the test above).
-func TestBatchAdversaryResetBeforeCommitAckClassicControl(t *testing.T) {
+// The same fault with ClassicPublish (the control of the test above).
+func TestResetBeforeThePubAckClassic(t *testing.T) {
 	t.Parallel()
 	resetBeforeCommitAck(t, true)
 }
