@@ -181,9 +181,9 @@ func (r *runner) runContender(ctx context.Context, b backlog, round int, c strin
 		var p *process
 		var err error
 		if c == cRelay {
-			p, err = e.startRelay(s.slot, s.prefix)
+			p, err = e.startRelay(ctx, s.slot, s.prefix)
 		} else {
-			p, err = e.startPlain(s.slot, s.prefix)
+			p, err = e.startPlain(ctx, s.slot, s.prefix)
 		}
 		if err != nil {
 			return err
@@ -228,7 +228,9 @@ func (r *runner) catchUpRatios(b backlog, round int) {
 	relay := get(cRelay, "rows_per_s")
 	set("relay_vs_plain", "baton relay ÷ plain relay (rows/s)", ratio(relay, get(cPlain, "rows_per_s")))
 	set("relay_vs_decode_ceiling", "baton relay ÷ decode ceiling (rows/s)", ratio(relay, get("decode_ceiling", "rows_per_s")))
-	set("relay_vs_publish", "baton relay ÷ publish ceiling", ratio(relay, r.rep.get(round, backlogKey(1, conversations)+".publish.msgs_per_s")))
+	if b.convs == conversations {
+		set("relay_vs_publish", "baton relay ÷ publish ceiling", ratio(relay, r.rep.get(round, backlogKey(1, conversations)+".publish.msgs_per_s")))
+	}
 	set("relay_cpu_vs_plain_cpu", "baton relay CPU ÷ plain relay CPU (per row)", ratio(get(cRelay, "cpu_us_per_row"), get(cPlain, "cpu_us_per_row")))
 	if b.convs < conversations {
 		base := backlogKey(1, conversations)
@@ -271,12 +273,12 @@ func (r *runner) follow(ctx context.Context, p *process, slot, stream string, wa
 		if err != nil && ctx.Err() == nil {
 			return childRun{}, err
 		}
-		if n >= uint64(want) {
+		if n >= want {
 			now := time.Now()
 			x.startToStored, x.streamingToStored = now.Sub(p.startedAt), now.Sub(p.streamingAt)
 			break
 		}
-		r.prog.count(n, uint64(want))
+		r.prog.count(n, want)
 		if err := p.alive(); err != nil {
 			return childRun{}, err
 		}
@@ -303,8 +305,12 @@ func (r *runner) follow(ctx context.Context, p *process, slot, stream string, wa
 	if x.rss, err = peakRSS(p.pid()); err != nil {
 		return childRun{}, err
 	}
-	if n, err := e.streamMsgs(ctx, stream); err != nil || n != uint64(want) {
-		return childRun{}, fmt.Errorf("%s holds %d events, want %d (%v)", stream, n, want, err)
+	n, err := e.streamMsgs(ctx, stream)
+	if err != nil {
+		return childRun{}, err
+	}
+	if n != want {
+		return childRun{}, fmt.Errorf("%s holds %d events, want %d", stream, n, want)
 	}
 	return x, nil
 }
@@ -322,7 +328,7 @@ func (r *runner) runBackfill(ctx context.Context) error {
 	slot, prefix := e.names()
 	for round := range r.cfg.Rounds {
 		r.prog.phase("backfill, round %d/%d: baton relay's first start on %s pending rows", round+1, r.cfg.Rounds, thousands(float64(rows)))
-		p, err := e.startRelay(slot, prefix)
+		p, err := e.startRelay(ctx, slot, prefix)
 		if err != nil {
 			return err
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"net/url"
 	"os"
@@ -174,7 +175,7 @@ func (e *env) walsender(ctx context.Context, slot string) (int, error) {
 }
 
 // streamMsgs returns how many messages stream holds.
-func (e *env) streamMsgs(ctx context.Context, name string) (uint64, error) {
+func (e *env) streamMsgs(ctx context.Context, name string) (int, error) {
 	s, err := e.js.Stream(ctx, name)
 	if err != nil {
 		return 0, fmt.Errorf("stream %s: %w", name, err)
@@ -183,7 +184,7 @@ func (e *env) streamMsgs(ctx context.Context, name string) (uint64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("stream %s: %w", name, err)
 	}
-	return info.State.Msgs, nil
+	return int(min(info.State.Msgs, math.MaxInt)), nil
 }
 
 // deleteStreams deletes the streams of subject prefix prefix, or every stream of the run when
@@ -229,20 +230,20 @@ func (e *env) childEnvFor(slot, prefix string, extra ...string) []string {
 }
 
 // startRelay starts `baton relay` on slot and prefix.
-func (e *env) startRelay(slot, prefix string, extra ...string) (*process, error) {
-	return startProcess("baton relay", e.cfg.RelayCommand, e.childEnvFor(slot, prefix, extra...))
+func (e *env) startRelay(ctx context.Context, slot, prefix string, extra ...string) (*process, error) {
+	return startProcess(ctx, "baton relay", e.cfg.RelayCommand, e.childEnvFor(slot, prefix, extra...))
 }
 
 // startPlain starts the plain relay on slot (which must exist) and prefix.
-func (e *env) startPlain(slot, prefix string) (*process, error) {
-	return startProcess("plain relay", e.cfg.PlainRelayCommand, e.childEnvFor(slot, prefix))
+func (e *env) startPlain(ctx context.Context, slot, prefix string) (*process, error) {
+	return startProcess(ctx, "plain relay", e.cfg.PlainRelayCommand, e.childEnvFor(slot, prefix))
 }
 
 // prepareRelaySlot runs `baton relay` on slot and prefix until it streams, then stops it: the
 // slot exists, its (empty) first-start backfill is recorded, its streams exist. What commits
 // afterwards reaches the next relay on slot through the slot, not the backfill.
 func (e *env) prepareRelaySlot(ctx context.Context, slot, prefix string) error {
-	p, err := e.startRelay(slot, prefix)
+	p, err := e.startRelay(ctx, slot, prefix)
 	if err != nil {
 		return err
 	}

@@ -57,12 +57,12 @@ func (r *runner) latencyRun(ctx context.Context, round, rate int, c string) erro
 		if metricsAddr, err = freeAddr(ctx); err != nil {
 			return err
 		}
-		p, err = e.startRelay(slot, prefix, "BATON_METRICS_ADDR="+metricsAddr)
+		p, err = e.startRelay(ctx, slot, prefix, "BATON_METRICS_ADDR="+metricsAddr)
 	} else {
 		if err := createBareSlot(ctx, e.pool, slot); err != nil {
 			return err
 		}
-		p, err = e.startPlain(slot, prefix)
+		p, err = e.startPlain(ctx, slot, prefix)
 	}
 	if err != nil {
 		return err

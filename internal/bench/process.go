@@ -34,12 +34,15 @@ type process struct {
 
 // startProcess starts argv with env (which replaces every BATON_* variable of this process's
 // environment) and follows its log on stderr. Its stdout is discarded. The caller must call
-// stop on every path.
-func startProcess(name string, argv, env []string) (*process, error) {
+// stop on every path; when ctx ends first, the process gets SIGTERM, and SIGKILL stopGrace
+// later.
+func startProcess(ctx context.Context, name string, argv, env []string) (*process, error) {
 	if len(argv) == 0 {
 		return nil, fmt.Errorf("%s: no command to run", name)
 	}
-	cmd := exec.Command(argv[0], argv[1:]...) //nolint:gosec // G204: the baton binary the caller chose
+	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...) //nolint:gosec // G204: the baton binary the caller chose
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = stopGrace
 	cmd.Env = childEnv(os.Environ(), env)
 	// The child dies with this process, even when this one is killed.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}

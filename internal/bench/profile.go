@@ -35,7 +35,7 @@ func (r *runner) profileRelay(ctx context.Context, b backlog, s slotFor, end pgl
 	if err != nil {
 		return err
 	}
-	p, err := e.startRelay(s.slot, s.prefix, "BATON_PPROF_ADDR="+addr)
+	p, err := e.startRelay(ctx, s.slot, s.prefix, "BATON_PPROF_ADDR="+addr)
 	if err != nil {
 		return err
 	}

@@ -32,14 +32,14 @@ func (p *progress) phase(format string, args ...any) {
 	p.text = fmt.Sprintf(format, args...)
 	line := fmt.Sprintf("[%s] %s", time.Since(p.began).Round(time.Second), p.text)
 	if !p.tty {
-		fmt.Fprintln(p.w, line)
+		_, _ = fmt.Fprintln(p.w, line) // progress only: nothing to do when it fails
 		return
 	}
 	p.show(line)
 }
 
 // count shows how far the phase is, on a terminal, at most ten times a second.
-func (p *progress) count(n, total uint64) {
+func (p *progress) count(n, total int) {
 	if !p.tty {
 		return
 	}
@@ -56,7 +56,7 @@ func (p *progress) count(n, total uint64) {
 // show rewrites the terminal line.
 func (p *progress) show(line string) {
 	pad := max(0, p.shown-len(line))
-	fmt.Fprintf(p.w, "\r%s%s", line, strings.Repeat(" ", pad))
+	_, _ = fmt.Fprintf(p.w, "\r%s%s", line, strings.Repeat(" ", pad))
 	p.shown = len(line)
 }
 
@@ -65,7 +65,7 @@ func (p *progress) done() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.tty && p.shown > 0 {
-		fmt.Fprintf(p.w, "\r%s\r", strings.Repeat(" ", p.shown))
+		_, _ = fmt.Fprintf(p.w, "\r%s\r", strings.Repeat(" ", p.shown))
 		p.shown = 0
 	}
 }

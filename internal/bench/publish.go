@@ -73,8 +73,12 @@ func publishCeiling(ctx context.Context, e *env, prefix string, n, convs int) (t
 		return 0, fmt.Errorf("publish ceiling: %d publishes failed", f)
 	}
 	stream := wire.StreamName(prefix, wire.KindTurns)
-	if got, err := e.streamMsgs(ctx, stream); err != nil || got != uint64(n) {
-		return 0, fmt.Errorf("publish ceiling: stream %s holds %d of %d (%v)", stream, got, n, err)
+	got, err := e.streamMsgs(ctx, stream)
+	if err != nil {
+		return 0, fmt.Errorf("publish ceiling: %w", err)
+	}
+	if got != n {
+		return 0, fmt.Errorf("publish ceiling: stream %s holds %d of %d", stream, got, n)
 	}
 	return took, nil
 }

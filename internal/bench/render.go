@@ -35,7 +35,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	var rows []row
 	section := ""
-	for _, key := range r.order {
+	for _, key := range r.Keys() {
 		if s := key[:strings.IndexByte(key, '.')]; s != section {
 			section = s
 			head := []string{"", "", "median"}

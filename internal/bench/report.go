@@ -5,6 +5,7 @@ import (
 	"math"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -121,8 +122,35 @@ func (r *Report) get(round int, key string) float64 {
 	return float64(f.Rounds[round])
 }
 
-// Keys returns the figure keys in the order they were first measured (the table's order).
-func (r *Report) Keys() []string { return slices.Clone(r.order) }
+// Keys returns the figure keys in the table's order: sections as sectionRank orders them,
+// figures within a section in the order they were first measured.
+func (r *Report) Keys() []string {
+	keys := slices.Clone(r.order)
+	if len(keys) == 0 { // a report read back from JSON
+		for k := range r.Figures {
+			keys = append(keys, k)
+		}
+		slices.Sort(keys)
+	}
+	slices.SortStableFunc(keys, func(a, b string) int { return sectionRank(a) - sectionRank(b) })
+	return keys
+}
+
+// sectionRank orders the sections of the table: the 1,000-conversation backlogs, the hot
+// ones, the backfill, then latency by rate.
+func sectionRank(key string) int {
+	section, _, _ := strings.Cut(key, ".")
+	var rowsPerTx, convs, rate int
+	switch {
+	case scan(section, "tx%d_conv%d", &rowsPerTx, &convs):
+		return 1_000_000 - convs*1000 + rowsPerTx // more conversations first, then fewer rows per tx
+	case section == "backfill":
+		return 2_000_000
+	case scan(section, "latency_%d", &rate):
+		return 3_000_000 + rate
+	}
+	return 4_000_000
+}
 
 // median returns the median of the values that are numbers, NaN when none is.
 func median(vs []Value) float64 {
