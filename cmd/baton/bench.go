@@ -141,6 +141,9 @@ func runBenchRelay(ctx context.Context, args []string, stdout, stderr io.Writer)
 		return usageError{msg: err.Error()}
 	}
 	rep, err := runBenchOn(ctx, *cfg, bcfg, stderr)
+	if err != nil && ctx.Err() != nil {
+		return errors.New("interrupted; what the bench created is removed")
+	}
 	if err != nil {
 		return err
 	}
@@ -185,8 +188,8 @@ func runBenchOn(ctx context.Context, cfg config.Config, bcfg bench.Config, out i
 			err = cerr
 		}
 	}()
-	if ctx.Err() != nil {
-		return nil, errors.New("interrupted")
+	if err := ctx.Err(); err != nil {
+		return nil, err
 	}
 	bcfg.DatabaseURL, bcfg.NATSURL, bcfg.NATSInProcess = cfg.DatabaseURL, cfg.NATSURL, inProcess
 	return bench.Run(ctx, bcfg)

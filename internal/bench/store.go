@@ -141,7 +141,9 @@ END $$`, txs, rowsPerTx, w, workers, convs))
 	}
 	var err error
 	for range workers {
-		err = errors.Join(err, <-errs)
+		if werr := <-errs; err == nil {
+			err = werr
+		}
 	}
 	if err != nil {
 		return fmt.Errorf("write the backlog: %w", err)
