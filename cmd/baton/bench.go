@@ -123,7 +123,10 @@ func runBenchRelay(ctx context.Context, args []string, stdout, stderr io.Writer)
 			return fmt.Errorf("find this program to run its relay: %w", err)
 		}
 	}
-	parts := strings.Split(o.only, ",")
+	var parts []string
+	for p := range strings.SplitSeq(o.only, ",") {
+		parts = append(parts, strings.TrimSpace(p))
+	}
 	bcfg := bench.Config{
 		RelayCommand:      []string{bin, "relay"},
 		PlainRelayCommand: []string{bin, "bench", benchPlainRelay},
@@ -153,6 +156,9 @@ func runBenchRelay(ctx context.Context, args []string, stdout, stderr io.Writer)
 		}
 	}
 	if o.json {
+		if rep.Profile != "" { // the table says it; JSON readers get it on stderr
+			fmt.Fprintf(stderr, "CPU profile of baton relay's catch-up: %s\n  read it with: go tool pprof -top %s\n", rep.Profile, rep.Profile)
+		}
 		return rep.WriteJSON(stdout)
 	}
 	return rep.WriteTable(stdout)

@@ -90,6 +90,7 @@ func TestBenchRelayEndToEnd(t *testing.T) {
 	st, err := os.Stat(rep.Profile)
 	require.NoError(t, err)
 	require.Positive(t, st.Size())
+	require.Contains(t, stderr.String(), "go tool pprof -top "+rep.Profile)
 	require.Contains(t, stderr.String(), "tx1_conv1000, round 1/1: baton relay (process)", "progress lines on stderr")
 	require.NotContains(t, stderr.String(), "\r", "stderr is no terminal: no line rewritten in place")
 
@@ -122,7 +123,7 @@ func TestBenchUsage(t *testing.T) {
 		{[]string{"bench", "relay", "--rounds", "0"}, "--rounds must be at least 1"},
 		{[]string{"bench", "relay", "--rates", "1000,x"}, `--rates: "x" is not a whole number`},
 		{[]string{"bench", "relay", "--rates", "0"}, "rate 0/s"},
-		{[]string{"bench", "relay", "--only", "catchup,nope"}, `unknown part "nope"`},
+		{[]string{"bench", "relay", "--only", "catchup, nope"}, `unknown part "nope"`},
 		{[]string{"bench", "relay", "--only", "latency", "--profile", "p"}, "profile"},
 		{[]string{"bench", "relay", "extra"}, `unexpected argument "extra"`},
 	} {
