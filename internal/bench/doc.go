@@ -66,7 +66,8 @@
 //   - peak_rss_mib: the process's VmHWM after catch-up, MiB.
 //   - latency: p50_ms, p99_ms, max_ms of commit → stored: from the producer's Send returning
 //     (its COMMIT done) to the JetStream timestamp of the event (the server's clock: only
-//     meaningful when NATS runs on this machine); commits_per_s achieved; relay
+//     meaningful when NATS runs on this machine; a sample can be slightly negative, when the
+//     event is stored before the producer hears its COMMIT's answer); commits_per_s achieved; relay
 //     self_share_le_1ms: the share of the relay's own baton_relay_commit_to_ack_seconds
 //     observations (commit record timestamp → PubAck) at or below 1 ms over the measured span.
 //   - ratio: relay_vs_plain, relay_vs_decode_ceiling, relay_vs_publish (rows/s ÷ rows/s),

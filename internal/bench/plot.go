@@ -46,7 +46,9 @@ func (r *Report) WritePlot(w io.Writer) error {
 				continue
 			}
 			slices.Sort(lat)
-			lo, hi = min(lo, ms(max(lat[0], time.Microsecond))), max(hi, ms(lat[len(lat)-1]))
+			// The axis starts at 10 µs at the lowest: an event can even be stored before its
+			// producer hears that its COMMIT succeeded; such samples are drawn at the axis' start.
+			lo, hi = min(lo, ms(max(lat[0], 10*time.Microsecond))), max(hi, ms(lat[len(lat)-1]))
 			dash := ""
 			if c == cPlain {
 				dash = "6 4"
