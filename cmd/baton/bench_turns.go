@@ -18,8 +18,6 @@ import (
 	"github.com/batonhq/baton/internal/config"
 )
 
-const benchTurnsSummary = "measure turns/s and producer commit → reply commit latency through relay and workers"
-
 const benchTurnsDescription = `Bench turns measures Baton's worker side end to end: producers commit messages, the relay
 (a process of its own: baton relay) publishes them to JetStream, echo workers answer them. The
 workers run in this process, each with a pool and a NATS connection of its own, as a worker

@@ -33,6 +33,7 @@ type command struct {
 }
 
 var commands = map[string]command{
+	"bench":   {summary: benchSummary, run: runBench},
 	"demo":    {summary: demoSummary, run: runDemo},
 	"migrate": {summary: migrateSummary, run: runMigrate},
 	"relay":   {summary: relaySummary, run: runRelay},

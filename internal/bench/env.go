@@ -1,0 +1,272 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/batonhq/baton/migrations"
+	"github.com/batonhq/baton/wire"
+)
+
+// publication is the publication of the bench's database: migrations' default.
+const publication = "baton"
+
+// conversations is how many conversations the bench database holds: c0000 … c0999.
+const conversations = 1000
+
+// env is one run's database and NATS connection, and the names it hands out.
+type env struct {
+	cfg      *Config
+	runID    string
+	dbName   string
+	dbURL    string
+	pool     *pgxpool.Pool
+	nc       *nats.Conn
+	js       jetstream.JetStream
+	localPG  bool // the server's processes are on this machine: walsender CPU is measurable
+	pgServer string
+	maxSlots int
+	seq      int
+}
+
+// openEnv creates the run's database on cfg.DatabaseURL's server, migrates it and connects to
+// NATS. close undoes it all; call it on every path once openEnv returned nil.
+func openEnv(ctx context.Context, cfg *Config) (*env, error) {
+	e := &env{cfg: cfg, runID: strconv.FormatInt(time.Now().UnixNano()%(1<<40), 36)}
+	e.dbName = "baton_bench_" + e.runID
+	pcfg, err := pgconn.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("database URL: %w", err)
+	}
+	e.localPG = isLocalHost(pcfg.Host)
+	admin, err := pgx.Connect(ctx, cfg.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	defer func() { _ = admin.Close(context.WithoutCancel(ctx)) }()
+	if e.pgServer, e.maxSlots, err = serverFacts(ctx, admin); err != nil {
+		return nil, err
+	}
+	used, err := usedSlots(ctx, admin)
+	if err != nil {
+		return nil, err
+	}
+	if free, need := e.maxSlots-used, cfg.slotsNeeded(); free < need {
+		return nil, fmt.Errorf("this run needs %d replication slots at once and the server has %d free "+
+			"(max_replication_slots = %d): lower --rounds or raise max_replication_slots", need, free, e.maxSlots)
+	}
+	if err := createDatabase(ctx, admin, e.dbName); err != nil {
+		return nil, err
+	}
+	if e.dbURL, err = withDatabase(cfg.DatabaseURL, e.dbName); err != nil {
+		return nil, errors.Join(err, dropDatabase(context.WithoutCancel(ctx), admin, e.dbName))
+	}
+	if err := e.open(ctx); err != nil {
+		e.close(ctx)
+		return nil, err
+	}
+	return e, nil
+}
+
+// open connects to the run's database, migrates it, creates its conversations and connects
+// to NATS.
+func (e *env) open(ctx context.Context) error {
+	pcfg, err := pgxpool.ParseConfig(e.dbURL)
+	if err != nil {
+		return fmt.Errorf("database URL: %w", err)
+	}
+	pcfg.MaxConns = producers + 4
+	if e.pool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
+		return fmt.Errorf("connect to %s: %w", e.dbName, err)
+	}
+	if _, err := migrations.Up(ctx, e.pool); err != nil {
+		return fmt.Errorf("migrate %s: %w", e.dbName, err)
+	}
+	if err := createConversations(ctx, e.pool, conversations); err != nil {
+		return err
+	}
+	if e.nc, err = nats.Connect(e.cfg.NATSURL, nats.Name("baton-bench"), nats.MaxReconnects(-1)); err != nil {
+		return fmt.Errorf("connect to NATS: %w", err)
+	}
+	if e.js, err = jetstream.New(e.nc); err != nil {
+		return fmt.Errorf("jetstream: %w", err)
+	}
+	return nil
+}
+
+// close deletes the run's streams, drops its database with its slots and closes the
+// connections, whether ctx ended or not. Errors go to the logger: there is nothing else to do
+// about them.
+func (e *env) close(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	defer cancel()
+	if e.js != nil {
+		if err := e.deleteStreams(ctx, ""); err != nil {
+			e.cfg.Logger.Warn("delete the bench's streams", "error", err)
+		}
+	}
+	if e.nc != nil {
+		e.nc.Close()
+	}
+	if e.pool != nil {
+		e.pool.Close()
+	}
+	admin, err := pgx.Connect(ctx, e.cfg.DatabaseURL)
+	if err != nil {
+		e.cfg.Logger.Warn("drop the bench database", "database", e.dbName, "error", err)
+		return
+	}
+	defer func() { _ = admin.Close(ctx) }()
+	if err := dropDatabase(ctx, admin, e.dbName); err != nil {
+		e.cfg.Logger.Warn("drop the bench database", "database", e.dbName, "error", err)
+	}
+}
+
+// withDatabase returns the connection string raw with its database replaced by db.
+func withDatabase(raw, db string) (string, error) {
+	if u, err := url.Parse(raw); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		u.Path = "/" + db
+		return u.String(), nil
+	}
+	if strings.Contains(raw, "://") {
+		return "", errors.New("database URL: not a postgres:// URL")
+	}
+	// key=value form: a later dbname wins.
+	return raw + " dbname=" + db, nil
+}
+
+// isLocalHost reports whether a libpq host is this machine: a Unix socket or a loopback name.
+func isLocalHost(host string) bool {
+	if host == "" || strings.HasPrefix(host, "/") || host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// names returns a new slot name and subject prefix, unique to the run: the slot names of a
+// server are shared by its databases.
+func (e *env) names() (slot, prefix string) {
+	e.seq++
+	return fmt.Sprintf("baton_bench_%s_%d", e.runID, e.seq), fmt.Sprintf("bench_%s_%d", e.runID, e.seq)
+}
+
+// walsender returns the pid of slot's walsender when it is measurable (0 otherwise, whose CPU
+// reads as NaN).
+func (e *env) walsender(ctx context.Context, slot string) (int, error) {
+	if !e.localPG {
+		return 0, nil
+	}
+	return walsenderPID(ctx, e.pool, slot)
+}
+
+// streamMsgs returns how many messages stream holds.
+func (e *env) streamMsgs(ctx context.Context, name string) (int, error) {
+	s, err := e.js.Stream(ctx, name)
+	if err != nil {
+		return 0, fmt.Errorf("stream %s: %w", name, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("stream %s: %w", name, err)
+	}
+	return int(min(info.State.Msgs, math.MaxInt)), nil
+}
+
+// deleteStreams deletes the streams of subject prefix prefix, or every stream of the run when
+// prefix is empty, to give back their disk space.
+func (e *env) deleteStreams(ctx context.Context, prefix string) error {
+	var doomed []string
+	if prefix != "" {
+		for _, kind := range []string{wire.KindTurns, wire.KindOutcomes, wire.KindDeadLetter} {
+			doomed = append(doomed, wire.StreamName(prefix, kind))
+		}
+	} else {
+		mine := wire.StreamName("bench_"+e.runID, "") // BENCH_<RUNID>_
+		names := e.js.StreamNames(ctx)
+		for name := range names.Name() {
+			if strings.HasPrefix(name, mine) {
+				doomed = append(doomed, name)
+			}
+		}
+		if err := names.Err(); err != nil && !errors.Is(err, jetstream.ErrEndOfData) {
+			return fmt.Errorf("list streams: %w", err)
+		}
+	}
+	for _, name := range doomed {
+		if err := e.js.DeleteStream(ctx, name); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+			return fmt.Errorf("delete stream %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// childEnvFor returns the environment of a relay child on slot and prefix: the run's
+// database and NATS server, logs in text at info (the bench reads "streaming").
+func (e *env) childEnvFor(slot, prefix string, extra ...string) []string {
+	return append([]string{
+		"BATON_DATABASE_URL=" + e.dbURL,
+		"BATON_NATS_URL=" + e.cfg.NATSURL,
+		"BATON_SLOT=" + slot,
+		"BATON_SUBJECT_PREFIX=" + prefix,
+		"BATON_PUBLICATION=" + publication,
+		"BATON_LOG_LEVEL=info",
+		"BATON_LOG_FORMAT=text",
+	}, extra...)
+}
+
+// startRelay starts `baton relay` on slot and prefix.
+func (e *env) startRelay(ctx context.Context, slot, prefix string, extra ...string) (*process, error) {
+	return startProcess(ctx, "baton relay", e.cfg.RelayCommand, e.childEnvFor(slot, prefix, extra...))
+}
+
+// startPlain starts the plain relay on slot (which must exist) and prefix.
+func (e *env) startPlain(ctx context.Context, slot, prefix string) (*process, error) {
+	return startProcess(ctx, "plain relay", e.cfg.PlainRelayCommand, e.childEnvFor(slot, prefix))
+}
+
+// prepareRelaySlot runs `baton relay` on slot and prefix until it streams, then stops it: the
+// slot exists, its (empty) first-start backfill is recorded, its streams exist. What commits
+// afterwards reaches the next relay on slot through the slot, not the backfill.
+func (e *env) prepareRelaySlot(ctx context.Context, slot, prefix string) error {
+	p, err := e.startRelay(ctx, slot, prefix)
+	if err != nil {
+		return err
+	}
+	defer p.stop(stopGrace)
+	if err := p.waitStreaming(ctx, startTimeout); err != nil {
+		return err
+	}
+	p.stop(stopGrace)
+	return waitSlotsIdle(ctx, e.pool)
+}
+
+// freeAddr returns a free loopback address host:port.
+func freeAddr(ctx context.Context) (string, error) {
+	l, err := (&net.ListenConfig{}).Listen(ctx, "tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", fmt.Errorf("find a free port: %w", err)
+	}
+	addr := l.Addr().String()
+	if err := l.Close(); err != nil {
+		return "", fmt.Errorf("find a free port: %w", err)
+	}
+	return addr, nil
+}
+
+// selfCPU returns the CPU seconds this process used so far.
+func selfCPU() float64 { return cpuSeconds(os.Getpid()) }
