@@ -269,3 +269,14 @@ func TestReportPlot(t *testing.T) {
 	empty := newReport(&Config{Rounds: 1})
 	require.ErrorContains(t, empty.WritePlot(io.Discard), "latency part did not run")
 }
+
+// Percentiles are nearest rank: the smallest value with at least q of them at or below it.
+func TestPercentile(t *testing.T) {
+	ms := time.Millisecond
+	require.Zero(t, percentile(nil, .5))
+	ds := []time.Duration{1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms}
+	require.Equal(t, 3*ms, percentile(ds, .5))
+	require.Equal(t, 5*ms, percentile(ds, .99))
+	require.Equal(t, 1*ms, percentile(ds, 0))
+	require.Equal(t, 2*ms, percentile(ds[:4], .5))
+}

@@ -139,7 +139,7 @@ func (e *env) close(ctx context.Context) {
 // withDatabase returns the connection string raw with its database replaced by db.
 func withDatabase(raw, db string) (string, error) {
 	if u, err := url.Parse(raw); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
-		u.Path = "/" + db
+		u.Path, u.RawPath = "/"+db, ""
 		return u.String(), nil
 	}
 	if strings.Contains(raw, "://") {

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net/url"
 	"os"
 	"os/exec"
 	"strings"
@@ -196,7 +195,7 @@ func (e *turnsEnv) newDatabase(ctx context.Context) (_ *turnsDB, err error) {
 	e.seq++
 	name := fmt.Sprintf("baton_bench_%s_%d", e.runID, e.seq)
 	db := &turnsDB{name: name, prefix: fmt.Sprintf("bench_%s_%d", e.runID, e.seq)}
-	if db.url, err = turnsDatabaseURL(e.databaseURL, name); err != nil {
+	if db.url, err = withDatabase(e.databaseURL, name); err != nil {
 		return nil, err
 	}
 	if _, err := e.admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
@@ -271,22 +270,6 @@ func (e *turnsEnv) dropSlots(ctx context.Context, db string) error {
 			return fmt.Errorf("drop the replication slots of %s: %d left: %w", db, left, errors.Join(ctx.Err(), dropErr))
 		}
 	}
-}
-
-// turnsDatabaseURL is base with its database replaced by name; base is a postgres:// URL or
-// key=value pairs.
-func turnsDatabaseURL(base, name string) (string, error) {
-	if strings.HasPrefix(base, "postgres://") || strings.HasPrefix(base, "postgresql://") {
-		u, err := url.Parse(base)
-		if err != nil {
-			return "", fmt.Errorf("not a usable PostgreSQL connection string: %s", config.Redact(base))
-		}
-		u.Path = "/" + name
-		u.RawPath = ""
-		return u.String(), nil
-	}
-	// A later keyword overrides an earlier one.
-	return base + " dbname=" + name, nil
 }
 
 // startRelay starts the relay process for db; ctx's end stops it with SIGTERM (and kills it

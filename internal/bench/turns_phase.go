@@ -477,9 +477,12 @@ func (b *Turns) measureLatency(ctx context.Context, db *turnsDB, prod *producer.
 	if n > 1 && last.After(first) {
 		res.achievedRate = float64(n-1) / last.Sub(first).Seconds()
 	}
-	res.p50, res.p99 = turnsPercentile(lat, .5), turnsPercentile(lat, .99)
-	res.waitP50, res.waitP99 = turnsPercentile(wait, .5), turnsPercentile(wait, .99)
-	res.turnP50, res.turnP99 = turnsPercentile(turn, .5), turnsPercentile(turn, .99)
+	for _, ds := range [][]time.Duration{lat, wait, turn} {
+		slices.Sort(ds)
+	}
+	res.p50, res.p99 = percentile(lat, .5), percentile(lat, .99)
+	res.waitP50, res.waitP99 = percentile(wait, .5), percentile(wait, .99)
+	res.turnP50, res.turnP99 = percentile(turn, .5), percentile(turn, .99)
 	return res, nil
 }
 
@@ -495,16 +498,6 @@ func turnsMaxTime(a, b time.Time) time.Time {
 		return b
 	}
 	return a
-}
-
-// turnsPercentile is the p-quantile (nearest rank, rounded down) of ds, which it sorts; 0 for
-// none.
-func turnsPercentile(ds []time.Duration, p float64) time.Duration {
-	if len(ds) == 0 {
-		return 0
-	}
-	slices.Sort(ds)
-	return ds[min(len(ds)-1, int(float64(len(ds))*p))]
 }
 
 // turnsClockOffset estimates the database's clock minus this process's: of five round trips,

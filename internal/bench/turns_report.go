@@ -170,8 +170,8 @@ func (b *Turns) report(env *turnsEnv, results [][]turnsResult, wall time.Duratio
 			Producers:          turnsProducers,
 			WorkerConns:        turnsWorkerConns,
 			MaxConcurrentTurns: config.DefaultWorkerMaxConcurrentTurns,
-			DebounceMS:         turnsMSFloat(config.DefaultWorkerDebounce),
-			PollIntervalMS:     turnsMSFloat(config.DefaultWorkerPollInterval),
+			DebounceMS:         ms(config.DefaultWorkerDebounce),
+			PollIntervalMS:     ms(config.DefaultWorkerPollInterval),
 			Postgres:           env.postgres,
 			NATS:               env.nats,
 			Relay:              strings.Join(b.cfg.RelayCommand, " "),
@@ -199,7 +199,7 @@ func (b *Turns) report(env *turnsEnv, results [][]turnsResult, wall time.Duratio
 		return true
 	}
 	ms := func(d func(turnsResult) time.Duration) func(turnsResult) float64 {
-		return func(r turnsResult) float64 { return turnsMSFloat(d(r)) }
+		return func(r turnsResult) float64 { return ms(d(r)) }
 	}
 	for i, ph := range b.phases {
 		sent := fig(i, func(r turnsResult) float64 { return float64(r.sent) })
@@ -261,7 +261,7 @@ func (b *Turns) ratiosAndTargets(rep *TurnsReport, results [][]turnsResult) {
 		}
 	}
 	perSecond := func(r turnsResult) float64 { return r.perSecond }
-	p50 := func(r turnsResult) float64 { return turnsMSFloat(r.p50) }
+	p50 := func(r turnsResult) float64 { return ms(r.p50) }
 	w0 := b.cfg.Workers[0]
 	for _, src := range b.cfg.Sources {
 		base := turnsPhase{kind: TurnsKindThroughput, source: src, workers: w0}
@@ -309,7 +309,7 @@ func (b *Turns) ratiosAndTargets(rep *TurnsReport, results [][]turnsResult) {
 	want := fmt.Sprintf("<= %s ms (debounce %s + %s)", turnsMS(limit), config.DefaultWorkerDebounce, TurnsTargetLatencyOver)
 	if i := find(lat); i >= 0 {
 		target(fmt.Sprintf("p50 producer commit → reply commit at %d/s", TurnsTargetLatencyRate), want,
-			turnsFigure(turnsColumn(results, i, p50)), true, false, turnsMSFloat(limit))
+			turnsFigure(turnsColumn(results, i, p50)), true, false, ms(limit))
 	} else {
 		target(fmt.Sprintf("p50 producer commit → reply commit at %d/s", TurnsTargetLatencyRate), want, TurnsFigure{}, false, false, 0)
 	}
@@ -345,10 +345,8 @@ func turnsMedian(vals []float64) float64 {
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
-func turnsMSFloat(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
-
 // turnsMS prints a duration in milliseconds with two decimals.
-func turnsMS(d time.Duration) string { return strconv.FormatFloat(turnsMSFloat(d), 'f', 2, 64) }
+func turnsMS(d time.Duration) string { return strconv.FormatFloat(ms(d), 'f', 2, 64) }
 
 // WriteTable writes the report as text: settings, a table per kind of phase, ratios and
 // targets. With several rounds, each main figure is the median followed by the rounds' values

@@ -37,23 +37,15 @@ func TestTurnsMedian(t *testing.T) {
 	require.Equal(t, []float64{3, 1, 2}, vals, "the rounds keep their order")
 }
 
-func TestTurnsPercentile(t *testing.T) {
-	ms := time.Millisecond
-	require.Zero(t, turnsPercentile(nil, .5))
-	ds := []time.Duration{5 * ms, 1 * ms, 4 * ms, 2 * ms, 3 * ms}
-	require.Equal(t, 3*ms, turnsPercentile(ds, .5))
-	require.Equal(t, 5*ms, turnsPercentile(ds, .99))
-	require.Equal(t, 1*ms, turnsPercentile(ds, 0))
-}
-
-func TestTurnsDatabaseURL(t *testing.T) {
+// The database name is replaced in either form of connection string, keeping the rest.
+func TestWithDatabaseKeepsTheRest(t *testing.T) {
 	for _, base := range []string{
 		"postgres://bench:secret@127.0.0.1:5432/app?sslmode=disable",
 		"postgresql://bench@127.0.0.1/app",
 		"host=127.0.0.1 user=bench dbname=app sslmode=disable",
 		"host=127.0.0.1 user=bench",
 	} {
-		got, err := turnsDatabaseURL(base, "baton_bench_ab12_3")
+		got, err := withDatabase(base, "baton_bench_ab12_3")
 		require.NoError(t, err, base)
 		cfg, err := pgconn.ParseConfig(got)
 		require.NoError(t, err, got)
