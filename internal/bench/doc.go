@@ -13,10 +13,10 @@
 //
 //   - decode ceiling: a bare pgoutput client that parses every message and does nothing else,
 //     in this process. The eager client reads messages as they come; the bulk-reading client
-//     reads the socket in 1 MiB chunks, pauses ~150 µs (a millisecond, as Go sleeps here)
-//     after a read that brought less than 64 KiB and spends ~2 µs on each message, so that
-//     the walsender, which sends each message on its own to a client that keeps up, sends in
-//     bulk. The ceiling is the higher of the two.
+//     reads the socket in 1 MiB chunks and pauses 200 µs (nanosleep: time.Sleep would take a
+//     millisecond) after a read that brought less than 16 KiB, so that the walsender, which
+//     sends each message on its own to a client that keeps up, sends in bulk (see decode.go
+//     for the sweep that chose it). The ceiling is the higher of the two.
 //   - publish ceiling: bare JetStream async publishing (PublishMsgAsync, 4,096 in flight) of
 //     as many turn-shaped events (same subjects, headers with Nats-Msg-Id, body size) into a
 //     file stream, in this process.
