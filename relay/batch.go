@@ -29,9 +29,12 @@ import (
 // instead of one per event. A failure ends the session, which replays from the confirmed LSN;
 // Nats-Msg-Id deduplication skips what was stored (a duplicate counts as stored in a batch).
 //
-// A lane that has sent nothing for batchIdleCommit is committed (an end-of-batch marker,
-// which stores nothing): the server then acknowledges every message of the batch, and the
-// batch ends before the server's 10 s inactivity limit abandons it. The next event opens a
+// A lane that has sent nothing for batchIdleCommit, or whose oldest unacknowledged event was
+// sent batchMaxWait ago, is committed (an end-of-batch marker, which stores nothing): the
+// server then acknowledges every message of the batch, and the batch ends before the server's
+// 10 s inactivity limit abandons it. So an event waits at most about batchMaxWait for its
+// acknowledgement at any rate: a stream that never pauses gets a flow acknowledgement every
+// flow events anyway, and one that trickles slower than that is committed. The next event opens a
 // new batch. A lane never has two batches open: the next one starts after the previous one's
 // final PubAck, so no failure of an earlier batch can follow a later batch's success.
 const (
@@ -43,6 +46,9 @@ const (
 	batchWindows = 2
 	// batchIdleCommit is how long a lane sends nothing before its batch is committed.
 	batchIdleCommit = 2 * time.Millisecond
+	// batchMaxWait is how long an event waits for its acknowledgement before its batch is
+	// committed, even while the lane keeps sending.
+	batchMaxWait = 100 * time.Millisecond
 )
 
 // The operations of a fast-ingest batch message, as its reply subject says.
@@ -181,7 +187,7 @@ func batchResult(ref batchRef, m *nats.Msg) ackResult {
 // reports whether the pipeline goes on. It returns when nothing is left to send now.
 func (p *pipeline) sendBatched() bool {
 	for {
-		msg, token, ev, wait := p.nextBatched(time.Now())
+		msg, token, wait := p.nextBatched(time.Now())
 		switch {
 		case wait:
 			if !p.awaitLanes() {
@@ -190,9 +196,6 @@ func (p *pipeline) sendBatched() bool {
 			continue
 		case msg == nil:
 			return !p.halted.Load()
-		}
-		if ev != nil {
-			ev.sentAt.Store(time.Now().UnixNano())
 		}
 		p.sending.Store(true)
 		err := p.send(msg, token)
@@ -208,34 +211,35 @@ func (p *pipeline) sendBatched() bool {
 }
 
 // nextBatched returns the next message to send and its reply token: the end-of-batch marker
-// of a lane idle for batchIdleCommit, or the next queued event (ev) in its lane's batch. wait
+// of a lane due for its commit (see commitDue) whose next event is not the next to send, or
+// the next queued event in its lane's batch, stamped as sent now. wait
 // says the next event's lane cannot take it yet (its batch is starting or committing, or its
 // window is full). Nothing to send returns a nil msg.
-func (p *pipeline) nextBatched(now time.Time) (msg *nats.Msg, token string, ev *pendingEvent, wait bool) {
+func (p *pipeline) nextBatched(now time.Time) (msg *nats.Msg, token string, wait bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.stopped {
-		return nil, "", nil, false
+		return nil, "", false
 	}
 	for i := range p.lanes {
 		l := &p.lanes[i]
-		if l.state == laneOpen && now.Sub(l.lastSend) >= batchIdleCommit && (len(p.out) == 0 || p.out[0].lane != i) {
+		if l.state == laneOpen && !now.Before(l.commitDue()) && (len(p.out) == 0 || p.out[0].lane != i) {
 			l.state, l.committed = laneCommitting, now
-			return nats.NewMsg(l.subject), batchToken(l.batch, l.seq+1, opCommitEOB), nil, false
+			return nats.NewMsg(l.subject), batchToken(l.batch, l.seq+1, opCommitEOB), false
 		}
 	}
 	if len(p.out) == 0 {
-		return nil, "", nil, false
+		return nil, "", false
 	}
-	ev = p.out[0]
+	ev := p.out[0]
 	l := &p.lanes[ev.lane]
 	op := opAppend
 	switch l.state {
 	case laneStarting, laneCommitting:
-		return nil, "", nil, true
+		return nil, "", true
 	case laneOpen:
 		if l.seq >= l.acked+l.flow*batchWindows {
-			return nil, "", nil, true
+			return nil, "", true
 		}
 	case laneIdle:
 		*l = lane{state: laneStarting, batch: nuid.Next(), subject: ev.msg.Subject, flow: 1, events: l.events[:0]}
@@ -247,7 +251,8 @@ func (p *pipeline) nextBatched(now time.Time) (msg *nats.Msg, token string, ev *
 	ev.bseq = l.seq
 	l.events = append(l.events, ev)
 	l.lastSend = now
-	return ev.msg, batchToken(l.batch, l.seq, op), ev, false
+	ev.sentAt.Store(now.UnixNano())
+	return ev.msg, batchToken(l.batch, l.seq, op), false
 }
 
 // awaitLanes waits until a reply changed a lane, or an idle lane is due for its commit, and
@@ -274,7 +279,7 @@ func (p *pipeline) commitDue() (time.Time, bool) {
 	open := false
 	for i := range p.lanes {
 		if l := &p.lanes[i]; l.state == laneOpen {
-			if d := l.lastSend.Add(batchIdleCommit); !open || d.Before(due) {
+			if d := l.commitDue(); !open || d.Before(due) {
 				due, open = d, true
 			}
 		}
@@ -353,4 +358,16 @@ func (p *pipeline) checkCommits(now time.Time) error {
 		}
 	}
 	return nil
+}
+
+// commitDue returns when an open lane is to be committed: batchIdleCommit after its last
+// send, or batchMaxWait after its oldest unacknowledged event was sent, whichever comes first.
+func (l *lane) commitDue() time.Time {
+	due := l.lastSend.Add(batchIdleCommit)
+	if len(l.events) > 0 {
+		if sent := time.Unix(0, l.events[0].sentAt.Load()); sent.Add(batchMaxWait).Before(due) {
+			due = sent.Add(batchMaxWait)
+		}
+	}
+	return due
 }

@@ -115,3 +115,20 @@ func TestBatchStoresNothingAfterARefusedEvent(t *testing.T) {
 	require.Zero(t, lsn, "nothing confirmed")
 	require.Equal(t, []string{"e0", "e1", "e2", "e3", "e4"}, storedIDs(t, st))
 }
+
+// A lane is due for its commit batchIdleCommit after its last send, or batchMaxWait after its
+// oldest unacknowledged event was sent if that comes first: a lane that keeps sending slower
+// than its flow still has its events acknowledged.
+func TestLaneCommitDue(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	l := &lane{state: laneOpen, lastSend: t0}
+	require.Equal(t, t0.Add(batchIdleCommit), l.commitDue(), "nothing unacknowledged: idle only")
+
+	old := &pendingEvent{}
+	old.sentAt.Store(t0.Add(-batchMaxWait + time.Millisecond).UnixNano())
+	l.events = []*pendingEvent{old}
+	require.Equal(t, t0.Add(time.Millisecond), l.commitDue(), "the oldest event has waited almost batchMaxWait")
+
+	old.sentAt.Store(t0.UnixNano())
+	require.Equal(t, t0.Add(batchIdleCommit), l.commitDue())
+}
