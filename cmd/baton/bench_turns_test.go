@@ -19,8 +19,8 @@ import (
 // TestBenchTurnsTiny runs every phase of `baton bench turns` with tiny sizes on the test's
 // servers, the relay as a process of the baton binary, and checks the JSON report: every
 // message replied, every figure measured, and nothing the bench created left behind.
+// Not parallel: see TestBenchRelayEndToEnd.
 func TestBenchTurnsTiny(t *testing.T) {
-	t.Parallel()
 	db := testsvc.NewDatabase(t)
 	ns := testsvc.StartNATS(t)
 	bin := testsvc.Binary(t, "github.com/batonhq/baton/cmd/baton")
