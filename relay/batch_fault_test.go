@@ -3,14 +3,12 @@ package relay_test
 import (
 	"context"
 	"fmt"
-	"net/url"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
-	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -110,12 +108,7 @@ func resetBeforeCommitAck(t *testing.T, classic bool) {
 	b := setup(t)
 	b.cfg.ClassicPublish = classic
 	ctx := ctxT(t, 2*time.Minute)
-	u, err := url.Parse(b.nats.URL())
-	require.NoError(t, err)
-	proxy := testsvc.StartProxy(t, u.Host)
-	nc, err := nats.Connect("nats://"+proxy.Addr(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
+	proxy, nc := b.proxiedNATS(t)
 	b.cfg.NATS = nc
 	createConversations(t, b.db.Pool, "c")
 	b.startActive(t)

@@ -39,14 +39,10 @@ func stalledNATS(t *testing.T, classic bool) {
 	b := setup(t)
 	b.cfg.ClassicPublish = classic
 	ctx := ctxT(t, 3*time.Minute)
-	u, err := url.Parse(b.nats.URL())
-	require.NoError(t, err)
-	proxy := testsvc.StartProxy(t, u.Host)
-	nc, err := nats.Connect("nats://"+proxy.Addr(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond),
-		nats.FlusherTimeout(5*time.Minute)) // a write to a stalled peer may block this long
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	t.Cleanup(proxy.Unfreeze) // before nc.Close, which waits for a write in progress
+	// A write to a stalled peer may block for the FlusherTimeout; unfreezing runs before
+	// nc.Close, which waits for a write in progress.
+	proxy, nc := b.proxiedNATS(t, nats.FlusherTimeout(5*time.Minute))
+	t.Cleanup(proxy.Unfreeze)
 	reg := prometheus.NewRegistry()
 	b.cfg.NATS = nc
 	b.cfg.Registerer = reg
@@ -113,4 +109,19 @@ func stalledNATS(t *testing.T, classic bool) {
 	for id, n := range seen {
 		require.Equal(t, 1, n, "reply %s stored %d times", id, n)
 	}
+}
+
+// proxiedNATS returns a TCP proxy in front of the bundle's NATS server and a connection through
+// it that reconnects for ever, closed when the test ends (register proxy.Unfreeze after it, so
+// that it runs first).
+func (b *bundle) proxiedNATS(t *testing.T, opts ...nats.Option) (*testsvc.Proxy, *nats.Conn) {
+	t.Helper()
+	u, err := url.Parse(b.nats.URL())
+	require.NoError(t, err)
+	proxy := testsvc.StartProxy(t, u.Host)
+	opts = append([]nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(50 * time.Millisecond)}, opts...)
+	nc, err := nats.Connect("nats://"+proxy.Addr(), opts...)
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	return proxy, nc
 }
