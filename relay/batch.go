@@ -211,10 +211,10 @@ func (p *pipeline) sendBatched() bool {
 }
 
 // nextBatched returns the next message to send and its reply token: the end-of-batch marker
-// of a lane due for its commit (see commitDue) whose next event is not the next to send, or
-// the next queued event in its lane's batch, stamped as sent now. wait
-// says the next event's lane cannot take it yet (its batch is starting or committing, or its
-// window is full). Nothing to send returns a nil msg.
+// of a lane due for its commit (see lane.commitDue) whose next event is not the next to send,
+// or the next queued event in its lane's batch, stamped as sent now. wait says the next
+// event's lane cannot take it yet (its batch is starting or committing, or its window is
+// full). Nothing to send returns a nil msg.
 func (p *pipeline) nextBatched(now time.Time) (msg *nats.Msg, token string, wait bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -271,8 +271,8 @@ func (p *pipeline) awaitLanes() bool {
 	return true
 }
 
-// commitDue returns when the next open lane is due for its commit, and whether one is open.
-func (p *pipeline) commitDue() (time.Time, bool) {
+// nextCommit returns when the next open lane is due for its commit, and whether one is open.
+func (p *pipeline) nextCommit() (time.Time, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var due time.Time

@@ -258,7 +258,7 @@ func (p *pipeline) sendLoopBatched() {
 	commit := time.NewTimer(time.Hour)
 	defer commit.Stop()
 	for {
-		if due, open := p.commitDue(); open {
+		if due, open := p.nextCommit(); open {
 			commit.Reset(max(0, time.Until(due)))
 		}
 		select {
