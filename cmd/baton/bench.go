@@ -58,8 +58,9 @@ const benchRelayDescription = `Bench relay measures ` + "`baton relay`" + `, run
 baselines measured in the same run, on the same backlog, one at a time:
 
   decode ceiling   a bare pgoutput client that parses every message and does nothing else:
-                   one reading eagerly, one reading the socket in bulk (the walsender sends
-                   faster to a client that lets it fill); the higher is the ceiling
+                   one reading eagerly, and one per pause (100, 200, 400 µs) reading the
+                   socket in bulk (the walsender sends faster to a client that lets it
+                   fill); the highest is the ceiling
   publish ceiling  bare JetStream async publishing of as many turn-shaped events
   plain relay      the simplest correct pipelined relay (` + "`baton bench plain-relay`" + `, a process too)
 

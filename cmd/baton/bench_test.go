@@ -61,7 +61,9 @@ func TestBenchRelayEndToEnd(t *testing.T) {
 			}
 		}
 		positive(b + ".decode_eager.rows_per_s")
-		positive(b + ".decode_bulk.rows_per_s")
+		for _, p := range []string{"100us", "200us", "400us"} {
+			positive(b + ".decode_bulk_" + p + ".rows_per_s")
+		}
 		positive(b + ".decode_ceiling.rows_per_s")
 		for _, r := range []string{"relay_vs_plain", "relay_vs_decode_ceiling", "relay_vs_publish"} {
 			positive(b + ".ratio." + r)

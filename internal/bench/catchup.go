@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -16,14 +17,26 @@ const (
 	cRelay       = "relay"        // `baton relay`, a process of its own
 	cPlain       = "plain"        // RunPlainRelay, a process of its own
 	cDecodeEager = "decode_eager" // the bare pgoutput client, reading as messages come
-	cDecodeBulk  = "decode_bulk"  // the bare pgoutput client, reading the socket in bulk
 	cPublish     = "publish"      // bare async publishing of as many turn-shaped events
 )
+
+// cDecodeBulk names the bare pgoutput client reading the socket in bulk with pause p between
+// small reads: decode_bulk_200us.
+func cDecodeBulk(p time.Duration) string { return fmt.Sprintf("decode_bulk_%dus", p.Microseconds()) }
+
+// decoders are the decode-ceiling contenders with their pauses (0: the eager client).
+func decoders() map[string]time.Duration {
+	m := map[string]time.Duration{cDecodeEager: 0}
+	for _, p := range bulkPauses {
+		m[cDecodeBulk(p)] = p
+	}
+	return m
+}
 
 // catchUpReaders and hotReaders are the contenders that read a slot of their own on the
 // 1,000-conversation backlogs and on the hot ones.
 var (
-	catchUpReaders = []string{cRelay, cDecodeEager, cDecodeBulk, cPlain}
+	catchUpReaders = slices.Concat([]string{cRelay, cDecodeEager}, bulkContenders(), []string{cPlain})
 	hotReaders     = []string{cRelay, cPlain}
 )
 
@@ -145,31 +158,47 @@ func contenderLabel(c string) string {
 		return "plain relay (process)"
 	case cDecodeEager:
 		return "decode ceiling, eager client"
-	case cDecodeBulk:
-		return "decode ceiling, bulk-reading client"
 	case cPublish:
 		return "publish ceiling"
 	}
+	if p, ok := decoders()[c]; ok {
+		return fmt.Sprintf("decode ceiling, bulk-reading client (%v pauses)", p)
+	}
 	return c
+}
+
+// bulkContenders are the names of the bulk-reading decode clients, one per pause.
+func bulkContenders() []string {
+	var cs []string
+	for _, p := range bulkPauses {
+		cs = append(cs, cDecodeBulk(p))
+	}
+	return cs
 }
 
 // runContender runs contender c of round on its slot and records its figures.
 func (r *runner) runContender(ctx context.Context, b backlog, round int, c string, s slotFor, end pglogrepl.LSN) error {
 	e, rows := r.e, r.cfg.Rows
 	key := b.key + "." + c + "."
-	switch c {
-	case cDecodeEager, cDecodeBulk:
-		x, err := decode(ctx, e, s.slot, rows, c == cDecodeBulk)
+	if pause, ok := decoders()[c]; ok {
+		x, err := decode(ctx, e, s.slot, rows, pause)
 		if err != nil {
 			return err
 		}
 		r.rep.set(round, key+"rows_per_s", contenderLabel(c), "rows/s", float64(rows)/x.took.Seconds())
 		r.rep.set(round, key+"walsender_cpu_us_per_row", contenderLabel(c)+": walsender CPU", "us/row", x.walCPU/float64(rows)*1e6)
-		ceiling := max(r.rep.get(round, b.key+"."+cDecodeEager+".rows_per_s"), r.rep.get(round, b.key+"."+cDecodeBulk+".rows_per_s"))
+		ceiling := math.NaN()
+		for d := range decoders() {
+			if v := r.rep.get(round, b.key+"."+d+".rows_per_s"); !math.IsNaN(v) && (math.IsNaN(ceiling) || v > ceiling) {
+				ceiling = v
+			}
+		}
 		if !math.IsNaN(ceiling) {
-			r.rep.set(round, b.key+".decode_ceiling.rows_per_s", "decode ceiling (the higher)", "rows/s", ceiling)
+			r.rep.set(round, b.key+".decode_ceiling.rows_per_s", "decode ceiling (the highest)", "rows/s", ceiling)
 		}
 		return dropSlot(ctx, e.pool, s.slot)
+	}
+	switch c {
 	case cPublish:
 		took, err := publishCeiling(ctx, e, s.prefix, rows, b.convs)
 		if err != nil {

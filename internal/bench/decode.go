@@ -13,8 +13,8 @@ import (
 	"github.com/jackc/pgx/v5/pgproto3"
 )
 
-// Bulk reading: the bulk client reads the socket into a buffer of bulkBuffer bytes and, after
-// a read that brought less than bulkLittle, waits bulkPause before the next (see pause). A
+// Bulk reading: a bulk client reads the socket into a buffer of bulkBuffer bytes and, after a
+// read that brought less than bulkLittle, pauses before the next (see pause). A
 // client that keeps up makes the walsender send each message on its own and wake the client
 // for it (FIELD-NOTES: the walsender, not decoding, is the read bottleneck); one that lets
 // the socket fill a little lets the walsender send in bulk. Measured here (200k 1-row
@@ -23,35 +23,43 @@ import (
 // per read instead 43-45k. The pause must be precise: time.Sleep wakes after about a
 // millisecond here whatever is asked below that, which is why an earlier version of this
 // client (time.Sleep(150µs) and 2 µs of spinning per message) read no faster than the eager one.
+// The best pause depends on how fast the walsender produces (on a 1M-row backlog 200 µs read
+// only 61k rows/s), so the bench runs a client per pause of bulkPauses and the fastest counts.
 const (
 	bulkBuffer = 1 << 20
 	bulkLittle = 16 << 10
-	bulkPause  = 200 * time.Microsecond
 )
 
-// pausingReader is a socket reader that waits bulkPause after each read that returned little.
-type pausingReader struct{ r io.Reader }
+// bulkPauses are the pauses of the bulk-reading clients a catch-up runs.
+var bulkPauses = []time.Duration{100 * time.Microsecond, 200 * time.Microsecond, 400 * time.Microsecond}
+
+// pausingReader is a socket reader that pauses after each read that returned little.
+type pausingReader struct {
+	r     io.Reader
+	pause time.Duration
+}
 
 func (p pausingReader) Read(b []byte) (int, error) {
 	n, err := p.r.Read(b)
 	if err == nil && n < bulkLittle {
-		pause(bulkPause)
+		pause(p.pause)
 	}
 	return n, err
 }
 
 // replConn opens a replication connection and starts streaming slot from its confirmed
-// position with the relay's plugin arguments. bulk makes it read the socket in bulk.
-func replConn(ctx context.Context, url, slot string, bulk bool) (*pgconn.PgConn, error) {
+// position with the relay's plugin arguments. A bulkPause above 0 makes it read the socket in
+// bulk (see pausingReader).
+func replConn(ctx context.Context, url, slot string, bulkPause time.Duration) (*pgconn.PgConn, error) {
 	cfg, err := pgconn.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("replication connection: %w", err)
 	}
 	cfg.RuntimeParams["replication"] = "database"
 	cfg.RuntimeParams["application_name"] = "baton-bench"
-	if bulk {
+	if bulkPause > 0 {
 		cfg.BuildFrontend = func(r io.Reader, w io.Writer) *pgproto3.Frontend {
-			return pgproto3.NewFrontend(bufio.NewReaderSize(pausingReader{r}, bulkBuffer), w)
+			return pgproto3.NewFrontend(bufio.NewReaderSize(pausingReader{r: r, pause: bulkPause}, bulkBuffer), w)
 		}
 	}
 	conn, err := pgconn.ConnectConfig(ctx, cfg)
@@ -198,10 +206,10 @@ type decodeRun struct {
 
 // decode streams slot until it has parsed want inserts (eagerly, or reading the socket in
 // bulk) and returns the time from START_REPLICATION's answer to the last of them.
-func decode(ctx context.Context, e *env, slot string, want int, bulk bool) (decodeRun, error) {
+func decode(ctx context.Context, e *env, slot string, want int, bulkPause time.Duration) (decodeRun, error) {
 	ctx, cancel := context.WithTimeout(ctx, runTimeout(want))
 	defer cancel()
-	conn, err := replConn(ctx, e.dbURL, slot, bulk)
+	conn, err := replConn(ctx, e.dbURL, slot, bulkPause)
 	if err != nil {
 		return decodeRun{}, err
 	}

@@ -13,10 +13,11 @@
 //
 //   - decode ceiling: a bare pgoutput client that parses every message and does nothing else,
 //     in this process. The eager client reads messages as they come; the bulk-reading client
-//     reads the socket in 1 MiB chunks and pauses 200 µs (nanosleep: time.Sleep would take a
+//     reads the socket in 1 MiB chunks and pauses (nanosleep: time.Sleep would take a
 //     millisecond) after a read that brought less than 16 KiB, so that the walsender, which
-//     sends each message on its own to a client that keeps up, sends in bulk (see decode.go
-//     for the sweep that chose it). The ceiling is the higher of the two.
+//     sends each message on its own to a client that keeps up, sends in bulk; one client per
+//     pause of 100, 200 and 400 µs, since the best pause depends on the walsender's pace (see
+//     decode.go). The ceiling is the highest of them all.
 //   - publish ceiling: bare JetStream async publishing (PublishMsgAsync, 4,096 in flight) of
 //     as many turn-shaped events (same subjects, headers with Nats-Msg-Id, body size) into a
 //     file stream, in this process.
@@ -47,7 +48,8 @@
 //     outbox row per transaction through package producer at <rate> per second for the warm-up
 //     (1 s, not counted) and Config.LatencyDuration, while the relay (or the plain relay) runs.
 //
-// Contenders: relay, plain, decode_eager, decode_bulk, decode_ceiling, publish, and ratio for
+// Contenders: relay, plain, decode_eager, decode_bulk_<pause>us (100us, 200us, 400us),
+// decode_ceiling (the highest decode_*), publish, and ratio for
 // the ratios. Measures:
 //
 //   - rows_per_s (relay, plain): rows ÷ (the "streaming" line → the stream holds every event);

@@ -67,7 +67,7 @@ func RunPlainRelay(ctx context.Context, cfg PlainRelayConfig) error {
 		return err
 	}
 	defer pr.js.CleanupPublisher()
-	conn, err := replConn(ctx, cfg.DatabaseURL, cfg.Slot, false)
+	conn, err := replConn(ctx, cfg.DatabaseURL, cfg.Slot, 0)
 	if err != nil {
 		return fmt.Errorf("plain relay: %w", err)
 	}
