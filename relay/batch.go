@@ -197,14 +197,7 @@ func (p *pipeline) sendBatched() bool {
 		case msg == nil:
 			return !p.halted.Load()
 		}
-		p.sending.Store(true)
-		err := p.send(msg, token)
-		p.sending.Store(false)
-		if err != nil {
-			p.m.errors.WithLabelValues("publish").Inc()
-			p.mu.Lock()
-			p.fail(fmt.Errorf("publish %s: %w", msg.Subject, err))
-			p.mu.Unlock()
+		if !p.sendOne(msg, token, msg.Subject) {
 			return false
 		}
 	}
@@ -302,9 +295,11 @@ func (p *pipeline) batchAck(a ackResult) error {
 	}
 	if a.err != nil {
 		p.m.errors.WithLabelValues("publish").Inc()
-		subject := l.subject
-		if i := int(r.seq) - int(l.seq-uint64(len(l.events))) - 1; i >= 0 && i < len(l.events) { //nolint:gosec // G115: batch sequences stay far below MaxInt
-			subject = l.events[i].msg.Subject
+		subject := l.subject // the end-of-batch marker's, unless an event has r.seq
+		for _, ev := range l.events {
+			if ev.bseq == r.seq {
+				subject = ev.msg.Subject
+			}
 		}
 		return fmt.Errorf("publish batch %s, message %d on %s: %w", r.id, r.seq, subject, a.err)
 	}

@@ -235,26 +235,12 @@ func (p *pipeline) sendLoop() {
 		return
 	}
 	defer stop()
+	send := p.sendQueued
 	if p.batched {
-		p.sendLoopBatched()
-		return
+		send = p.sendBatched
 	}
-	for {
-		select {
-		case <-p.kick:
-		case <-p.failed:
-			return
-		case <-p.done:
-			return
-		}
-		if !p.sendQueued() {
-			return
-		}
-	}
-}
-
-// sendLoopBatched is sendLoop's loop when batched: it also wakes to commit idle lanes.
-func (p *pipeline) sendLoopBatched() {
+	// When batched, the sender also wakes on replies that change a lane, and to commit lanes
+	// gone idle (see batch.go); event by event, neither happens.
 	commit := time.NewTimer(time.Hour)
 	defer commit.Stop()
 	for {
@@ -270,7 +256,7 @@ func (p *pipeline) sendLoopBatched() {
 		case <-p.done:
 			return
 		}
-		if !p.sendBatched() {
+		if !send() {
 			return
 		}
 	}
@@ -302,16 +288,26 @@ func (p *pipeline) sendQueued() bool {
 			return false
 		}
 		ev.sentAt.Store(time.Now().UnixNano())
-		p.sending.Store(true)
-		err := p.send(ev.msg, eventToken(ev.id))
-		p.sending.Store(false)
-		if err != nil {
-			p.m.errors.WithLabelValues("publish").Inc()
-			p.mu.Lock()
-			p.fail(fmt.Errorf("publish %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), err))
-			p.mu.Unlock()
+		if !p.sendOne(ev.msg, eventToken(ev.id), ev.msg.Header.Get(nats.MsgIdHdr)) {
 			return false
 		}
+	}
+	return true
+}
+
+// sendOne hands msg to the sender with its reply token and reports whether that worked. An
+// error fails the pipeline (what names msg in the error): the session replays from the
+// confirmed LSN. sending is set meanwhile, for checkAckTimeout.
+func (p *pipeline) sendOne(msg *nats.Msg, token, what string) bool {
+	p.sending.Store(true)
+	err := p.send(msg, token)
+	p.sending.Store(false)
+	if err != nil {
+		p.m.errors.WithLabelValues("publish").Inc()
+		p.mu.Lock()
+		p.fail(fmt.Errorf("publish %s: %w", what, err))
+		p.mu.Unlock()
+		return false
 	}
 	return true
 }
