@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"slices"
@@ -50,6 +51,149 @@ const (
 	// committed, even while the lane keeps sending.
 	batchMaxWait = 100 * time.Millisecond
 )
+
+// Batches win while the relay is behind: catching up a backlog, or a busy conversation whose
+// events would each wait for the previous one's PubAck. At a steady rate the relay keeps up
+// with, event by event is quicker: an event goes out at once and its own PubAck answers it,
+// where a batch waits for a flow acknowledgement, for the end of a batch and the start of the
+// next. So the pipeline switches (publishMode): event by event while it keeps up, into
+// batches once batchEnterOutstanding events are outstanding, and back once fewer than
+// batchLeaveEvents arrive in batchLeaveWindow or a lane went quiet enough to be committed.
+// Each switch waits until no event published the other way waits for its PubAck, holding
+// what arrives meanwhile, so per-subject order holds across it: into batches, once every
+// event in flight one by one has its PubAck (events queued behind their subject's then go
+// into the batches in arrival order); out of them, once every lane's batch is committed and
+// acknowledged.
+const (
+	// batchEnterOutstanding is how many events outstanding (sent and not acknowledged, or
+	// queued behind their subject's) turn event-by-event publishing to batches: never at a
+	// rate the relay keeps up with (at 10,000 events/s and a 1 ms round trip, 10 are), at
+	// once when catching up or behind a busy conversation.
+	batchEnterOutstanding = 256
+	// batchLeaveWindow and batchLeaveEvents: fewer events than this arriving in a window
+	// (10,000 a second) turn batches back to event by event.
+	batchLeaveWindow = 10 * time.Millisecond
+	batchLeaveEvents = 100
+)
+
+// publishMode is how the pipeline publishes events now, when the streams take batches.
+type publishMode int
+
+const (
+	publishSingle   publishMode = iota // event by event, each after its subject's previous one's PubAck
+	publishEntering                    // into batches: waiting for the events in flight one by one
+	publishBatches                     // in each stream's batch
+	publishLeaving                     // out of batches: waiting for the lanes' final PubAcks
+)
+
+// rateWindow counts the events arriving while the pipeline publishes in batches.
+type rateWindow struct {
+	start time.Time
+	n     int
+}
+
+// slow counts an event arriving at now and reports whether the window it ended held fewer
+// than batchLeaveEvents.
+func (w *rateWindow) slow(now time.Time) bool {
+	if now.Sub(w.start) < batchLeaveWindow {
+		w.n++
+		return false
+	}
+	slow := w.n < batchLeaveEvents
+	w.start, w.n = now, 1
+	return slow
+}
+
+// route publishes ev the way the pipeline publishes now, switching it into or out of batches
+// as the backlog says (see batchEnterOutstanding). mu is held.
+func (p *pipeline) route(ev *pendingEvent) {
+	switch p.mode {
+	case publishSingle:
+		p.publishOne(ev)
+		if p.batched && p.outstanding() >= p.batchEnter {
+			p.mode = publishEntering
+			p.enterBatches()
+		}
+	case publishBatches:
+		if p.alwaysBatches || !p.window.slow(time.Now()) {
+			p.publish(ev)
+			return
+		}
+		p.leaveBatches()
+		if p.mode == publishSingle {
+			p.publishOne(ev)
+			return
+		}
+		p.hold(ev)
+	default:
+		p.hold(ev)
+	}
+}
+
+// hold keeps ev until the pipeline's switch ends. mu is held.
+func (p *pipeline) hold(ev *pendingEvent) {
+	p.held = append(p.held, ev)
+	p.queued++
+}
+
+// enterBatches ends the switch into batches once no event published one by one waits for its
+// PubAck: the events queued behind their subject's and those held go into the batches, in
+// arrival order. mu is held.
+func (p *pipeline) enterBatches() {
+	if p.inFlight > 0 {
+		return
+	}
+	evs := p.held
+	for subject, q := range p.subjects {
+		evs = append(evs, q...)
+		delete(p.subjects, subject)
+	}
+	slices.SortFunc(evs, func(a, b *pendingEvent) int { return cmp.Compare(a.n, b.n) })
+	p.held = nil
+	p.queued -= len(evs)
+	p.mode = publishBatches
+	p.window = rateWindow{start: time.Now()}
+	p.m.batching.Set(1)
+	p.behind.Store(true)
+	p.m.switches.WithLabelValues("batches").Inc()
+	for _, ev := range evs {
+		p.publish(ev)
+	}
+}
+
+// leaveBatches starts the switch out of batches: the sender commits every open lane as soon as
+// nothing queued is for it, and events arriving meanwhile are held. mu is held.
+func (p *pipeline) leaveBatches() {
+	p.mode = publishLeaving
+	select {
+	case p.laneKick <- struct{}{}:
+	default:
+	}
+	p.leftBatches()
+}
+
+// leftBatches ends the switch out of batches once nothing is queued for a batch and every
+// lane's batch has its final PubAck: the held events are published one by one. mu is held.
+func (p *pipeline) leftBatches() {
+	if len(p.out) > 0 {
+		return
+	}
+	for i := range p.lanes {
+		if p.lanes[i].state != laneIdle {
+			return
+		}
+	}
+	held := p.held
+	p.held = nil
+	p.queued -= len(held)
+	p.mode = publishSingle
+	p.m.batching.Set(0)
+	p.behind.Store(false)
+	p.m.switches.WithLabelValues("events").Inc()
+	for _, ev := range held {
+		p.publishOne(ev)
+	}
+}
 
 // The operations of a fast-ingest batch message, as its reply subject says.
 const (
@@ -216,13 +360,17 @@ func (p *pipeline) nextBatched(now time.Time) (msg *nats.Msg, token string, wait
 	}
 	for i := range p.lanes {
 		l := &p.lanes[i]
-		if l.state == laneOpen && !now.Before(l.commitDue()) && (len(p.out) == 0 || p.out[0].lane != i) {
+		if l.state == laneOpen && (p.mode == publishLeaving || !now.Before(l.commitDue())) && (len(p.out) == 0 || p.out[0].lane != i) {
+			if p.mode == publishBatches && !p.alwaysBatches {
+				// A lane quiet enough to be committed: the backlog is over.
+				p.leaveBatches()
+			}
 			l.state, l.committed = laneCommitting, now
 			return nats.NewMsg(l.subject), batchToken(l.batch, l.seq+1, opCommitEOB), false
 		}
 	}
-	if len(p.out) == 0 {
-		return nil, "", false
+	if len(p.out) == 0 || !p.out[0].inBatch {
+		return nil, "", false // nothing, or sendQueued's
 	}
 	ev := p.out[0]
 	l := &p.lanes[ev.lane]
@@ -272,7 +420,11 @@ func (p *pipeline) nextCommit() (time.Time, bool) {
 	open := false
 	for i := range p.lanes {
 		if l := &p.lanes[i]; l.state == laneOpen {
-			if d := l.commitDue(); !open || d.Before(due) {
+			d := l.commitDue()
+			if p.mode == publishLeaving {
+				d = time.Time{} // now
+			}
+			if !open || d.Before(due) {
 				due, open = d, true
 			}
 		}
@@ -309,6 +461,9 @@ func (p *pipeline) batchAck(a ackResult) error {
 		}
 		p.ackBatched(l, l.seq)
 		l.state, l.batch = laneIdle, ""
+		if p.mode == publishLeaving {
+			p.leftBatches()
+		}
 	} else {
 		if l.state == laneStarting {
 			l.state = laneOpen

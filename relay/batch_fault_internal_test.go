@@ -18,7 +18,7 @@ import (
 func startBatched(t *testing.T, nc *nats.Conn, open openSender, ackTimeout time.Duration) (*pipeline, *atomic.Uint64, chan error) {
 	t.Helper()
 	confirmed := new(atomic.Uint64)
-	cfg := Config{DatabaseURL: "x", NATS: nc, AckTimeout: ackTimeout}
+	cfg := Config{DatabaseURL: "x", NATS: nc, AckTimeout: ackTimeout, alwaysBatches: true}
 	require.NoError(t, cfg.fill())
 	p := newPipeline(&cfg, newMetrics(nil), confirmed, open, true)
 	abort := make(chan struct{})

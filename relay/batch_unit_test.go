@@ -31,7 +31,7 @@ func batchStream(t *testing.T, nc *nats.Conn, maxMsgSize int32) jetstream.Stream
 func runBatched(t *testing.T, nc *nats.Conn, items ...item) (uint64, error) {
 	t.Helper()
 	var confirmed atomic.Uint64
-	cfg := Config{DatabaseURL: "x", NATS: nc, AckTimeout: 10 * time.Second}
+	cfg := Config{DatabaseURL: "x", NATS: nc, AckTimeout: 10 * time.Second, alwaysBatches: true}
 	require.NoError(t, cfg.fill())
 	p := newPipeline(&cfg, newMetrics(nil), &confirmed, natsSender(nc), true)
 	done := make(chan error, 1)

@@ -99,6 +99,8 @@ type Config struct {
 	// its conversation, even when the streams take fast-ingest batches (nats-server 2.14 or
 	// later; see batch.go), which the relay otherwise uses. Default false.
 	ClassicPublish bool
+	// alwaysBatches publishes in batches even while the relay keeps up (tests).
+	alwaysBatches bool
 	// DrainTimeout bounds how long a stopping relay waits for PubAcks of what it published
 	// before it confirms and returns. Default 10s.
 	DrainTimeout time.Duration

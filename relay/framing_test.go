@@ -6,8 +6,10 @@ import (
 	"errors"
 	"io"
 	"os"
+	"sync/atomic"
 	"testing"
 	"testing/iotest"
+	"time"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgproto3"
@@ -200,3 +202,56 @@ func BenchmarkCutFrames(b *testing.B) {
 		})
 	}
 }
+
+// While the relay is behind, a read that brought little is followed by a pause before the
+// next read (what was spent in between counts against it), so the walsender can send in bulk;
+// a large read, or a relay that keeps up, reads on at once.
+func TestCutFramesPausesBetweenSmallReadsOnlyWhileBehind(t *testing.T) {
+	var in bytes.Buffer
+	for i := range 3 {
+		in.Write(frame('d', xlog(uint64(10+i), []byte("small"))))
+	}
+	in.Write(frame('d', xlog(20, bytes.Repeat([]byte("b"), bulkLittle))))
+	for i := range 2 {
+		in.Write(frame('d', xlog(uint64(30+i), []byte("small"))))
+	}
+	// One message per read, as a walsender sending message by message gives them.
+	var reads []int
+	src := readFunc(func(p []byte) (int, error) {
+		if in.Len() == 0 {
+			return 0, io.EOF
+		}
+		n := 5 + int(binary.BigEndian.Uint32(in.Bytes()[1:])) - 4
+		n, err := in.Read(p[:n])
+		reads = append(reads, n)
+		return n, err
+	})
+	f := newCutFrames(src, 1<<20)
+	var paused []int // the read (1-based) each pause came before
+	f.pause = func(d time.Duration) {
+		require.Positive(t, d)
+		require.LessOrEqual(t, d, bulkPause)
+		paused = append(paused, len(reads)+1)
+	}
+	var behind atomic.Bool
+	f.readInBulk(&behind)
+	buf := make([]byte, 1<<20)
+	read := func() {
+		_, err := f.Read(buf)
+		require.NoError(t, err)
+	}
+	read() // keeping up: no pause
+	read()
+	require.Empty(t, paused)
+	behind.Store(true)
+	read() // after a small read: paused
+	read() // the large one, after a small read: paused
+	read() // after a large read: at once
+	read() // after a small read: paused
+	require.Equal(t, []int{3, 4, 6}, paused)
+	require.Equal(t, []int{35, 35, 35, 5 + 25 + bulkLittle, 35, 35}, reads)
+}
+
+type readFunc func([]byte) (int, error)
+
+func (f readFunc) Read(p []byte) (int, error) { return f(p) }

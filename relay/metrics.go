@@ -20,6 +20,8 @@ type metrics struct {
 	inFlightBytes                      prometheus.Gauge
 	active                             prometheus.Gauge
 	batched                            prometheus.Gauge
+	batching                           prometheus.Gauge
+	switches                           *prometheus.CounterVec
 	reconnects                         prometheus.Counter
 	errors                             *prometheus.CounterVec // stage: postgres|nats|publish|decode
 	slotLost                           prometheus.Gauge
@@ -60,8 +62,14 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		active: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_relay_active", Help: "1 while this relay holds the slot and streams, 0 as standby or reconnecting.",
 		}),
+		batching: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_relay_publishing_batches", Help: "1 while the relay publishes in batches (it is behind: catching up, or a busy conversation), 0 while it publishes event by event (it keeps up, or batches are off: see baton_relay_publish_batched).",
+		}),
+		switches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_relay_publish_switches_total", Help: "Switches of the way the relay publishes, by what it publishes in afterwards: batches (it fell behind) or events (it keeps up again).",
+		}, []string{"to"}),
 		batched: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "baton_relay_publish_batched", Help: "1 while the relay publishes in JetStream fast-ingest batches, 0 event by event (--classic-publish, or a server or stream without them).",
+			Name: "baton_relay_publish_batched", Help: "1 while the streams take JetStream fast-ingest batches, which the relay uses while it is behind (see baton_relay_publishing_batches), 0 when it publishes event by event only (--classic-publish, or a server or stream without them).",
 		}),
 		reconnects: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "baton_relay_reconnects_total", Help: "Sessions restarted after an error.",
@@ -84,9 +92,12 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	m.outcomes = m.events.WithLabelValues("outcome")
 	m.backfill = m.events.WithLabelValues("backfill")
 	m.ignored = m.events.WithLabelValues("ignored")
+	for _, to := range []string{"batches", "events"} {
+		m.switches.WithLabelValues(to) // shown from the start, at 0
+	}
 	if reg != nil {
 		reg.MustRegister(m.events, m.omitted, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
-			m.slotLagBytes, m.inFlight, m.inFlightBytes, m.active, m.batched, m.reconnects, m.errors, m.slotLost, m.fatal)
+			m.slotLagBytes, m.inFlight, m.inFlightBytes, m.active, m.batched, m.batching, m.switches, m.reconnects, m.errors, m.slotLost, m.fatal)
 	}
 	return m
 }

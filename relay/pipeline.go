@@ -56,7 +56,11 @@ type pipeline struct {
 	lowBytes   int // and to this
 	ackTimeout time.Duration
 	m          *metrics
-	batched    bool // publish in fast-ingest batches (see batch.go), not event by event
+	batched    bool // the streams take fast-ingest batches (see batch.go)
+	// alwaysBatches publishes every event in batches when batched, never event by event: the
+	// pipeline's behaviour before it learnt to switch (see publishMode), kept for tests.
+	alwaysBatches bool
+	batchEnter    int // outstanding events at which event by event gives way to batches
 
 	room   chan struct{} // cap 1: add refused an event, and outstanding dropped to the low water marks
 	kick   chan struct{} // cap 1: out is not empty
@@ -74,6 +78,10 @@ type pipeline struct {
 	out       []*pendingEvent          // published, for the sender to send, in order
 	nextID    uint64
 	lanes     [laneCount]lane // when batched: each stream's batch
+	mode      publishMode     // how events are published now (see batch.go)
+	held      []*pendingEvent // arrived while the mode changes, in order (counted in queued)
+	arrived   uint64          // events handled: each event's number, for order across modes
+	window    rateWindow      // events arriving while in batches, to see the backlog end
 	txs       []*txEntry      // FIFO of transactions not yet confirmed
 	cur       *txEntry        // the open transaction, nil between transactions
 	inFlight  int             // published, no PubAck yet
@@ -84,6 +92,7 @@ type pipeline struct {
 	stopped   bool            // failed or run returned: nothing more is published or confirmed
 	err       error
 
+	behind  atomic.Bool // publishing in batches: the reader reads in bulk (see bulkLittle)
 	halted  atomic.Bool // stopped, for the sender between sends without the lock
 	sending atomic.Bool // the sender is inside a send: nats.go may be stuck writing
 
@@ -107,7 +116,9 @@ type pendingEvent struct {
 	// deadLetter is the kind of change whose dead-letter record this is, "" for an event.
 	deadLetter string
 	size       int    // eventSize
-	lane       int    // its stream's lane, when batched
+	lane       int    // its stream's lane
+	n          uint64 // its number in arrival order
+	inBatch    bool   // published in its lane's batch, not event by event
 	bseq       uint64 // its number in its lane's batch, once sent
 	// sentAt is when the sender handed the event to nats.go (UnixNano), 0 before: the ack
 	// timeout counts from there, so a long queue on a slow but working link does not time out,
@@ -127,7 +138,7 @@ type txEntry struct {
 // makes safe to confirm in confirmed.
 func newPipeline(cfg *Config, m *metrics, confirmed *atomic.Uint64, open openSender, batched bool) *pipeline {
 	maxPending, maxBytes := cfg.MaxInFlight, cfg.MaxInFlightBytes
-	return &pipeline{
+	p := &pipeline{
 		open:       open,
 		maxPending: maxPending,
 		// Waking the reader for every PubAck when full would hand the CPU back and forth
@@ -147,7 +158,15 @@ func newPipeline(cfg *Config, m *metrics, confirmed *atomic.Uint64, open openSen
 		subjects:   map[string][]*pendingEvent{},
 		byID:       map[uint64]*pendingEvent{},
 		confirmed:  confirmed,
+		// Below MaxInFlight, or a relay configured with a small window would never batch.
+		batchEnter: max(1, min(batchEnterOutstanding, maxPending/2)),
 	}
+	if batched && cfg.alwaysBatches {
+		p.alwaysBatches, p.mode = true, publishBatches
+		p.behind.Store(true)
+		m.batching.Set(1)
+	}
+	return p
 }
 
 // errDrainTimeout is returned when a graceful stop gave up waiting for PubAcks.
@@ -170,6 +189,7 @@ func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Durati
 		p.halted.Store(true)
 		p.mu.Unlock()
 		close(p.done)
+		p.m.batching.Set(0)
 		p.m.inFlight.Set(0)
 		p.m.inFlightBytes.Set(0)
 	}()
@@ -237,9 +257,9 @@ func (p *pipeline) sendLoop() {
 	defer stop()
 	send := p.sendQueued
 	if p.batched {
-		send = p.sendBatched
+		send = func() bool { return p.sendQueued() && p.sendBatched() }
 	}
-	// When batched, the sender also wakes on replies that change a lane, and to commit lanes
+	// In batches, the sender also wakes on replies that change a lane, and to commit lanes
 	// gone idle (see batch.go); event by event, neither happens.
 	commit := time.NewTimer(time.Hour)
 	defer commit.Stop()
@@ -276,14 +296,19 @@ func (p *pipeline) openSend() (stop func(), ok bool) {
 	return stop, true
 }
 
-// sendQueued sends the queued events and reports whether the pipeline goes on. A send error
+// sendQueued sends the events queued to go out one by one (up to the first one queued for a
+// batch, which sendBatched sends) and reports whether the pipeline goes on. A send error
 // fails the pipeline: the session replays from the confirmed LSN.
 func (p *pipeline) sendQueued() bool {
 	p.mu.Lock()
-	batch := p.out
-	p.out = nil
+	n := 0
+	for n < len(p.out) && !p.out[n].inBatch {
+		n++
+	}
+	single := p.out[:n:n]
+	p.out = p.out[n:]
 	p.mu.Unlock()
-	for _, ev := range batch {
+	for _, ev := range single {
 		if p.halted.Load() {
 			return false
 		}
@@ -463,29 +488,33 @@ func (p *pipeline) handle(it item) error {
 			return errors.New("event outside a transaction")
 		}
 		tx.pending++
+		p.arrived++
 		ev := &pendingEvent{msg: it.msg, tx: tx, outcome: it.outcome, omitted: it.omitted, deadLetter: it.deadLetter,
-			size: eventSize(it.msg)}
+			size: eventSize(it.msg), lane: laneOf(it.outcome, it.deadLetter), n: p.arrived}
 		p.bytes += ev.size
-		if p.batched {
-			ev.lane = laneOf(ev.outcome, ev.deadLetter)
-			p.publish(ev)
-			return nil
-		}
-		if q, busy := p.subjects[it.msg.Subject]; busy {
-			p.subjects[it.msg.Subject] = append(q, ev)
-			p.queued++
-		} else {
-			p.subjects[it.msg.Subject] = nil
-			p.publish(ev)
-		}
+		p.route(ev)
 	case itemIgnored:
 		p.m.ignored.Inc()
 	}
 	return nil
 }
 
-// publish queues ev for the sender. mu is held.
+// publishOne publishes ev event by event: at once, unless an earlier event of its subject
+// waits for its PubAck, behind which it queues. mu is held.
+func (p *pipeline) publishOne(ev *pendingEvent) {
+	if q, busy := p.subjects[ev.msg.Subject]; busy {
+		p.subjects[ev.msg.Subject] = append(q, ev)
+		p.queued++
+		return
+	}
+	p.subjects[ev.msg.Subject] = nil
+	p.publish(ev)
+}
+
+// publish queues ev for the sender, in its lane's batch when the pipeline publishes in
+// batches. mu is held.
 func (p *pipeline) publish(ev *pendingEvent) {
+	ev.inBatch = p.mode == publishBatches
 	p.nextID++
 	ev.id = p.nextID
 	p.byID[ev.id] = ev
@@ -509,14 +538,19 @@ func (p *pipeline) ack(a ackResult) error {
 		return fmt.Errorf("publish %s on %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject, a.err)
 	}
 	p.acked(ev)
-	if q := p.subjects[ev.msg.Subject]; len(q) > 0 {
+	switch q := p.subjects[ev.msg.Subject]; {
+	case len(q) == 0:
+		delete(p.subjects, ev.msg.Subject)
+	case p.mode == publishSingle:
 		next := q[0]
 		q[0] = nil
 		p.subjects[ev.msg.Subject] = q[1:]
 		p.queued--
 		p.publish(next)
-	} else {
-		delete(p.subjects, ev.msg.Subject)
+	}
+	// Else the pipeline is turning to batches, which take the queue when nothing is in flight.
+	if p.mode == publishEntering {
+		p.enterBatches()
 	}
 	p.advance()
 	return nil
