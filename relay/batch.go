@@ -57,8 +57,8 @@ const (
 // with, event by event is quicker: an event goes out at once and its own PubAck answers it,
 // where a batch waits for a flow acknowledgement, for the end of a batch and the start of the
 // next. So the pipeline switches (publishMode): event by event while it keeps up, into
-// batches once batchEnterOutstanding events are outstanding, and back once fewer than
-// batchLeaveEvents arrive in batchLeaveWindow or a lane went quiet enough to be committed.
+// batches once batchEnterOutstanding events are outstanding, and back once the walsender says
+// it has sent everything (a keepalive, see caughtUp), at least batchMinDwell after entering.
 // Each switch waits until no event published the other way waits for its PubAck, holding
 // what arrives meanwhile, so per-subject order holds across it: into batches, once every
 // event in flight one by one has its PubAck (events queued behind their subject's then go
@@ -70,10 +70,10 @@ const (
 	// rate the relay keeps up with (at 10,000 events/s and a 1 ms round trip, 10 are), at
 	// once when catching up or behind a busy conversation.
 	batchEnterOutstanding = 256
-	// batchLeaveWindow and batchLeaveEvents: fewer events than this arriving in a window
-	// (10,000 a second) turn batches back to event by event.
-	batchLeaveWindow = 10 * time.Millisecond
-	batchLeaveEvents = 100
+	// batchMinDwell is the shortest stay in batches: a relay at the edge of what it keeps up
+	// with event by event switches at most some times a second, each switch costing a round
+	// trip or two of held events.
+	batchMinDwell = 100 * time.Millisecond
 )
 
 // publishMode is how the pipeline publishes events now, when the streams take batches.
@@ -86,22 +86,19 @@ const (
 	publishLeaving                     // out of batches: waiting for the lanes' final PubAcks
 )
 
-// rateWindow counts the events arriving while the pipeline publishes in batches.
-type rateWindow struct {
-	start time.Time
-	n     int
-}
-
-// slow counts an event arriving at now and reports whether the window it ended held fewer
-// than batchLeaveEvents.
-func (w *rateWindow) slow(now time.Time) bool {
-	if now.Sub(w.start) < batchLeaveWindow {
-		w.n++
-		return false
+// caughtUp takes a keepalive, which the walsender sends when it has sent all the WAL it knew
+// of and the relay has not confirmed it all yet (WalSndWaitForWal): the relay is no longer
+// behind, or not by much. In batches for batchMinDwell already, the pipeline leaves them;
+// sooner, it leaves at the first event after that. mu is held.
+func (p *pipeline) caughtUp(now time.Time) {
+	if p.mode != publishBatches || p.alwaysBatches {
+		return
 	}
-	slow := w.n < batchLeaveEvents
-	w.start, w.n = now, 1
-	return slow
+	if now.Sub(p.entered) < batchMinDwell {
+		p.wasCaughtUp = true
+		return
+	}
+	p.leaveBatches()
 }
 
 // route publishes ev the way the pipeline publishes now, switching it into or out of batches
@@ -115,8 +112,8 @@ func (p *pipeline) route(ev *pendingEvent) {
 			p.enterBatches()
 		}
 	case publishBatches:
-		if p.alwaysBatches || !p.window.slow(time.Now()) {
-			p.publish(ev)
+		if !p.wasCaughtUp || time.Since(p.entered) < batchMinDwell {
+			p.publishDeferred(ev)
 			return
 		}
 		p.leaveBatches()
@@ -152,7 +149,7 @@ func (p *pipeline) enterBatches() {
 	p.held = nil
 	p.queued -= len(evs)
 	p.mode = publishBatches
-	p.window = rateWindow{start: time.Now()}
+	p.entered, p.wasCaughtUp = time.Now(), false
 	p.m.batching.Set(1)
 	p.behind.Store(true)
 	p.m.switches.WithLabelValues("batches").Inc()
@@ -361,10 +358,6 @@ func (p *pipeline) nextBatched(now time.Time) (msg *nats.Msg, token string, wait
 	for i := range p.lanes {
 		l := &p.lanes[i]
 		if l.state == laneOpen && (p.mode == publishLeaving || !now.Before(l.commitDue())) && (len(p.out) == 0 || p.out[0].lane != i) {
-			if p.mode == publishBatches && !p.alwaysBatches {
-				// A lane quiet enough to be committed: the backlog is over.
-				p.leaveBatches()
-			}
 			l.state, l.committed = laneCommitting, now
 			return nats.NewMsg(l.subject), batchToken(l.batch, l.seq+1, opCommitEOB), false
 		}

@@ -47,6 +47,7 @@ type cutFrames struct {
 
 	// behind, when set and true, says the relay is behind the walsender (see bulkReads).
 	behind    atomic.Pointer[atomic.Bool]
+	flush     atomic.Pointer[func()] // called before each read of the socket
 	lastSmall time.Time // when a read brought less than bulkLittle, zero after a larger one
 	pause     func(time.Duration)
 }
@@ -78,8 +79,12 @@ func newCutFrames(r io.Reader, limit int) *cutFrames {
 	return &cutFrames{r: r, max: limit, buf: make([]byte, 64<<10), cut: map[uint64]int{}, pause: pause}
 }
 
-// readInBulk makes f pause between small reads while behind is true (see bulkLittle).
-func (f *cutFrames) readInBulk(behind *atomic.Bool) { f.behind.Store(behind) }
+// readInBulk makes f pause between small reads while behind is true (see bulkLittle), and
+// call flush before each read of the socket: everything read before has been handled then.
+func (f *cutFrames) readInBulk(behind *atomic.Bool, flush func()) {
+	f.behind.Store(behind)
+	f.flush.Store(&flush)
+}
 
 func (f *cutFrames) Read(p []byte) (int, error) {
 	n := 0
@@ -159,6 +164,9 @@ func (f *cutFrames) fill() error {
 	if f.start > 0 {
 		f.end = copy(f.buf, f.buf[f.start:f.end])
 		f.start = 0
+	}
+	if flush := f.flush.Load(); flush != nil {
+		(*flush)()
 	}
 	if !f.lastSmall.IsZero() {
 		if b := f.behind.Load(); b != nil && b.Load() {

@@ -234,7 +234,7 @@ func TestCutFramesPausesBetweenSmallReadsOnlyWhileBehind(t *testing.T) {
 		paused = append(paused, len(reads)+1)
 	}
 	var behind atomic.Bool
-	f.readInBulk(&behind)
+	f.readInBulk(&behind, func() {})
 	buf := make([]byte, 1<<20)
 	read := func() {
 		_, err := f.Read(buf)

@@ -73,26 +73,32 @@ type pipeline struct {
 	mu sync.Mutex
 	// subjects holds, for each subject with an event in flight, the events queued behind it.
 	// A subject is present while busy; its queue may be empty.
-	subjects  map[string][]*pendingEvent
-	byID      map[uint64]*pendingEvent // published events by id, until their PubAck
-	out       []*pendingEvent          // published, for the sender to send, in order
-	nextID    uint64
-	lanes     [laneCount]lane // when batched: each stream's batch
-	mode      publishMode     // how events are published now (see batch.go)
-	held      []*pendingEvent // arrived while the mode changes, in order (counted in queued)
-	arrived   uint64          // events handled: each event's number, for order across modes
-	window    rateWindow      // events arriving while in batches, to see the backlog end
-	txs       []*txEntry      // FIFO of transactions not yet confirmed
-	cur       *txEntry        // the open transaction, nil between transactions
-	inFlight  int             // published, no PubAck yet
-	queued    int             // waiting behind an earlier event of the same subject
-	bytes     int             // eventSize of the events in flight or queued
-	full      bool            // add refused an event: reply signals room at the low water marks
-	inputDone bool            // closeInput was called
-	stopped   bool            // failed or run returned: nothing more is published or confirmed
-	err       error
+	subjects map[string][]*pendingEvent
+	byID     map[uint64]*pendingEvent // published events by id, until their PubAck
+	out      []*pendingEvent          // published, for the sender to send, in order
+	nextID   uint64
+	lanes    [laneCount]lane // when batched: each stream's batch
+	mode     publishMode     // how events are published now (see batch.go)
+	held     []*pendingEvent // arrived while the mode changes, in order (counted in queued)
+	arrived  uint64          // events handled: each event's number, for order across modes
+	entered  time.Time       // when the pipeline last went into batches
+	// wasCaughtUp says a keepalive came less than batchMinDwell after entering batches.
+	wasCaughtUp bool
+	txs         []*txEntry // FIFO of transactions not yet confirmed
+	cur         *txEntry   // the open transaction, nil between transactions
+	inFlight    int        // published, no PubAck yet
+	queued      int        // waiting behind an earlier event of the same subject
+	bytes       int        // eventSize of the events in flight or queued
+	full        bool       // add refused an event: reply signals room at the low water marks
+	inputDone   bool       // closeInput was called
+	stopped     bool       // failed or run returned: nothing more is published or confirmed
+	err         error
 
 	behind  atomic.Bool // publishing in batches: the reader reads in bulk (see bulkLittle)
+	// deferKicks lets the reader queue batch events without waking the sender for each: it
+	// calls flushOut before it may block (see publishDeferred). Set before the reader starts.
+	deferKicks bool
+	unkicked   atomic.Bool // events were queued without waking the sender
 	halted  atomic.Bool // stopped, for the sender between sends without the lock
 	sending atomic.Bool // the sender is inside a send: nats.go may be stuck writing
 
@@ -220,6 +226,7 @@ func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Durati
 func (p *pipeline) tick(now time.Time) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.flushOut() // a safety net: the reader flushes before it blocks
 	p.m.inFlight.Set(float64(p.inFlight + p.queued))
 	p.m.inFlightBytes.Set(float64(p.bytes))
 	err := p.checkAckTimeout(now)
@@ -372,6 +379,7 @@ func (p *pipeline) add(it item) (bool, error) {
 
 // closeInput says no item follows; run returns once every event has its PubAck.
 func (p *pipeline) closeInput() {
+	p.flushOut()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.inputDone = true
@@ -474,6 +482,7 @@ func (p *pipeline) handle(it item) error {
 		p.cur = nil
 		p.advance()
 	case itemKeepalive:
+		p.caughtUp(time.Now())
 		// Only between transactions; inside one, the WAL end may lie past events not yet sent.
 		if p.cur == nil {
 			if len(p.txs) == 0 {
@@ -511,21 +520,53 @@ func (p *pipeline) publishOne(ev *pendingEvent) {
 	p.publish(ev)
 }
 
+// publishDeferred queues ev for the sender like publish, in batches, but wakes the sender only
+// once sendEager events are queued: the reader calls flushOut before it may block, so a
+// backlog's events go to the sender a read's worth at a time instead of a wake-up per event.
+// mu is held.
+func (p *pipeline) publishDeferred(ev *pendingEvent) {
+	if !p.deferKicks || len(p.out) >= sendEager {
+		p.publish(ev)
+		return
+	}
+	p.queue(ev)
+	p.unkicked.Store(true)
+}
+
+// sendEager is how many events publishDeferred queues before it wakes the sender anyway.
+const sendEager = 256
+
+// flushOut wakes the sender for the events publishDeferred queued. The reader calls it before
+// anything that may block: a socket read, a wait for room. Safe from any goroutine.
+func (p *pipeline) flushOut() {
+	if p.unkicked.Swap(false) {
+		select {
+		case p.kick <- struct{}{}:
+		default:
+		}
+	}
+}
+
 // publish queues ev for the sender, in its lane's batch when the pipeline publishes in
-// batches. mu is held.
+// batches, and wakes the sender. mu is held.
 func (p *pipeline) publish(ev *pendingEvent) {
+	p.queue(ev)
+	if len(p.out) == 1 || p.unkicked.Swap(false) {
+		select {
+		case p.kick <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// queue adds ev to the events for the sender. mu is held.
+func (p *pipeline) queue(ev *pendingEvent) {
 	ev.inBatch = p.mode == publishBatches
 	p.nextID++
 	ev.id = p.nextID
 	p.byID[ev.id] = ev
 	p.inFlight++
 	p.out = append(p.out, ev)
-	if len(p.out) == 1 {
-		select {
-		case p.kick <- struct{}{}:
-		default:
-		}
-	}
 }
 
 func (p *pipeline) ack(a ackResult) error {

@@ -147,18 +147,20 @@ func TestSwitchIntoBatchesWaitsForTheEventsInFlight(t *testing.T) {
 	require.Equal(t, []string{"+conv.a#1", "+conv.a#2", "+conv.c1#3"}, f.sentFrom(2), "then the rest, in arrival order")
 	require.EqualValues(t, 1, counterValue(t, f.m.switches.WithLabelValues("batches")))
 
-	// Out of batches: a slow window holds the next event until the batch is committed and
-	// acknowledged, then publishes it event by event.
-	f.window = rateWindow{start: time.Now().Add(-time.Second), n: 1}
+	// Out of batches: the walsender's keepalive (it sent all it had) after batchMinDwell
+	// turns the pipeline back; the next event is held until the batch is committed and
+	// acknowledged, then published event by event.
+	f.entered = time.Now().Add(-batchMinDwell)
+	f.step(t, keepalive(15))
+	require.Equal(t, publishLeaving, f.mode)
 	d1, md1 := named("conv.a")
 	f.step(t, begin(), d1, commit(20))
-	require.Equal(t, publishLeaving, f.mode)
 	require.Equal(t, []string{"EOB"}, f.sentFrom(5), "the lane is committed at once, the event held")
 	require.Zero(t, f.lsn())
 	f.ackBatch(3, true)
 	require.Equal(t, publishSingle, f.mode)
 	require.Equal(t, []string{"EOB", "conv.a"}, f.sentFrom(5), "d1 goes out event by event after the batch's final PubAck")
-	require.EqualValues(t, 10, f.lsn())
+	require.EqualValues(t, 15, f.lsn(), "the batch and the keepalive after it")
 	f.ackOne(t, md1)
 	require.EqualValues(t, 20, f.lsn())
 	require.EqualValues(t, 1, counterValue(t, f.m.switches.WithLabelValues("events")))
@@ -167,9 +169,11 @@ func TestSwitchIntoBatchesWaitsForTheEventsInFlight(t *testing.T) {
 
 func (f *modeFake) lsn() uint64 { return f.confirmed.Load() }
 
-// A lane that goes quiet is committed, and the pipeline leaves batches with it: at a rate it
-// keeps up with, events go out one by one again, each answered by its own PubAck.
-func TestQuietLaneTurnsBatchesBackToEvents(t *testing.T) {
+// A keepalive sooner than batchMinDwell after entering batches is remembered: the first
+// event after the dwell turns the pipeline back to event by event (here at once, the lane
+// being idle). A lane committed while in batches does not: a quiet lane is no sign that the
+// relay caught up (it may be starved of CPU, or waiting for room).
+func TestKeepaliveDuringTheDwellEndsBatchesAfterIt(t *testing.T) {
 	f := newModeFake(t, 2)
 	a1, ma1 := named("conv.a")
 	a2, _ := named("conv.a")
@@ -178,15 +182,20 @@ func TestQuietLaneTurnsBatchesBackToEvents(t *testing.T) {
 	f.ackOne(t, ma1)
 	require.Equal(t, publishBatches, f.mode)
 	f.ackBatch(1, false)
+	f.step(t, keepalive(10))
+	require.Equal(t, publishBatches, f.mode, "within the dwell")
 	f.lanes[laneTurns].lastSend = time.Now().Add(-time.Second) // quiet since
 	f.flush()
-	require.Equal(t, publishLeaving, f.mode)
-	require.Equal(t, []string{"conv.a", "+conv.a#1", "EOB"}, f.sentFrom(0))
+	require.Equal(t, []string{"conv.a", "+conv.a#1", "EOB"}, f.sentFrom(0), "the quiet lane is committed")
 	f.ackBatch(1, true)
-	require.Equal(t, publishSingle, f.mode)
+	require.Equal(t, publishBatches, f.mode, "a quiet lane ends no batching")
+	require.EqualValues(t, 10, f.lsn())
+
+	f.entered = time.Now().Add(-batchMinDwell)
 	b1, _ := named("conv.b")
 	f.step(t, begin(), b1, commit(20))
-	require.Equal(t, []string{"conv.b"}, f.sentFrom(3))
+	require.Equal(t, publishSingle, f.mode)
+	require.Equal(t, []string{"conv.b"}, f.sentFrom(3), "sent event by event")
 }
 
 // End to end on a real server: bursts (one busy conversation and a few others) and trickles
@@ -231,11 +240,13 @@ func TestSwitchingModesKeepsOrderAndStoresOnce(t *testing.T) {
 		for i := 0; i < len(burst); i += 100 {
 			tx(burst[i : i+100]...)
 		}
-		// A trickle: well under batchLeaveEvents per batchLeaveWindow (this pacing shapes the
-		// input; no result depends on its timing).
-		for i := range 20 {
+		// A trickle, each transaction followed by the keepalive of a walsender that sent all
+		// it had, for longer than batchMinDwell (this pacing shapes the input; no result
+		// depends on its timing).
+		for i := range 15 {
 			tx("batch.hot", "batch.c"+strconv.Itoa((round+i)%7))
-			time.Sleep(3 * time.Millisecond)
+			emit(keepalive(lsn))
+			time.Sleep(batchMinDwell / 10)
 		}
 	}
 	p.closeInput()

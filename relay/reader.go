@@ -185,6 +185,7 @@ func (rd *reader) put(ctx, gctx context.Context, it item) error {
 		if ok || err != nil {
 			return err
 		}
+		rd.p.flushOut()
 		wait := time.NewTimer(time.Until(rd.nextStatus))
 		select {
 		case <-rd.p.room:

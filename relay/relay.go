@@ -384,7 +384,8 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutFrames) error {
 	cfg := &r.cfg
 	p := newPipeline(cfg, r.m, &r.confirmed, natsSender(cfg.NATS), r.batched)
-	frames.readInBulk(&p.behind)
+	p.deferKicks = true
+	frames.readInBulk(&p.behind, p.flushOut)
 	g, gctx := errgroup.WithContext(context.WithoutCancel(ctx))
 	stopping := ctx.Done()
 	g.Go(func() error {
