@@ -45,10 +45,10 @@ type cutFrames struct {
 	mu  sync.Mutex
 	cut map[uint64]int // sequence number (1-based) of a cut CopyData → its real body size
 
-	// behind, when set and true, says the relay is behind the walsender (see bulkReads).
+	// behind, when set and true, says the relay is behind the walsender (see bulkLittle).
 	behind    atomic.Pointer[atomic.Bool]
 	flush     atomic.Pointer[func()] // called before each read of the socket
-	lastSmall time.Time // when a read brought less than bulkLittle, zero after a larger one
+	lastSmall time.Time              // when a read brought less than bulkLittle, zero after a larger one
 	pause     func(time.Duration)
 }
 

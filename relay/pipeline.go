@@ -94,13 +94,13 @@ type pipeline struct {
 	stopped     bool       // failed or run returned: nothing more is published or confirmed
 	err         error
 
-	behind  atomic.Bool // publishing in batches: the reader reads in bulk (see bulkLittle)
+	behind atomic.Bool // publishing in batches: the reader reads in bulk (see bulkLittle)
 	// deferKicks lets the reader queue batch events without waking the sender for each: it
 	// calls flushOut before it may block (see publishDeferred). Set before the reader starts.
 	deferKicks bool
 	unkicked   atomic.Bool // events were queued without waking the sender
-	halted  atomic.Bool // stopped, for the sender between sends without the lock
-	sending atomic.Bool // the sender is inside a send: nats.go may be stuck writing
+	halted     atomic.Bool // stopped, for the sender between sends without the lock
+	sending    atomic.Bool // the sender is inside a send: nats.go may be stuck writing
 
 	confirmed *atomic.Uint64
 }
