@@ -97,7 +97,7 @@ type Config struct {
 	MinBackoff, MaxBackoff time.Duration
 	// ClassicPublish publishes event by event, each after the PubAck of the previous event of
 	// its conversation, even when the streams take fast-ingest batches (nats-server 2.14 or
-	// later; see batch.go), which the relay otherwise uses. Default false.
+	// later; see batch.go), which the relay otherwise uses while it is behind. Default false.
 	ClassicPublish bool
 	// alwaysBatches publishes in batches even while the relay keeps up (tests).
 	alwaysBatches bool

@@ -35,7 +35,7 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 	maxInFlightBytes := fs.Int("max-in-flight-bytes", relay.DefaultMaxInFlightBytes,
 		"bytes of those events, at most (bounds the relay's memory while NATS is slow or away)")
 	classic := fs.Bool("classic-publish", false, "publish event by event, never in JetStream fast-ingest batches (which the relay uses\n"+
-		"when the server, 2.14 or later, and the streams take them)")
+		"while it is behind, when the server, 2.14 or later, and the streams take them)")
 	drain := fs.Duration("drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for PubAcks")
 	recreateSlot := fs.Bool("recreate-slot", false, "drop a slot of that name that Baton did not create (an operator's or another tool's)\n"+
 		"and create Baton's in its place, with a first-start backfill; without it such a slot is refused")
