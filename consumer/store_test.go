@@ -100,9 +100,10 @@ func TestFinishAfterConversationDeleted(t *testing.T) {
 }
 
 // Every statement on a run's rows finds them by key, whatever the planner believes about how
-// many rows are processing: with 5,000 processing rows of other runs (statistics taken when
-// there were none) the generic plans (what prepared statements get after a few runs) of
-// the claim, the final commit, the renewal and the tool check read only their own rows.
+// many rows are processing: with 5,000 processing rows of other runs and 5,000 operations of
+// theirs (statistics taken when there were none) the generic plans (what prepared statements
+// get after a few runs) of the claim, the final commit, the renewal and the tool check read
+// only their own rows.
 func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
@@ -115,6 +116,9 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET status = 'processing', run_id = gen_random_uuid(),
 		lease_expires_at = now() + interval '1 hour'`)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `INSERT INTO operations (run_id, conversation_id, tool, effect)
+		SELECT run_id, conversation_id, 'lookup', 'read' FROM agent_outbox`)
 	require.NoError(t, err)
 	send(t, db, "c", "m1")
 	const run = "00000000-0000-4000-8000-000000000003"
@@ -165,7 +169,8 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 		fmt.Sprintf(`'%s', 'c', 'tool', 'read', '{}', '{%d}'`, run, c.ids[0]))
 	narrow("tool check", tool)
 	finishPlan := plan(`text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text, int[]`, finishSQL,
-		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}'`, run, c.ids[0]))
+		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}'`, run, c.ids[0]),
+		strings.Replace(genericPlansSQL, "$1", "'5000ms'", 1))
 	narrow("final commit", finishPlan)
 
 	err = s.finishOne(ctx, finishReq{conversationID: "c", runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "ok"}})
