@@ -325,3 +325,63 @@ func TestToolRefusedAfterTheTurnIsLost(t *testing.T) {
 		})
 	}
 }
+
+// Tool calls of several runs share one record statement, each with its run's fence: a run
+// that lost its turn gets errLeaseLost and nothing recorded, two calls of one run get their
+// own operations in their order, the ends the calls carry are written with them, and a call
+// Postgres refuses fails alone.
+func TestRecordManyOperations(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('a'), ('b'), ('lost')`)
+	require.NoError(t, err)
+	runs := map[string]string{"a": "00000000-0000-4000-8000-0000000000a1", "b": "00000000-0000-4000-8000-0000000000b1",
+		"lost": "00000000-0000-4000-8000-0000000000d1"}
+	claims := map[string]claim{}
+	for conv, run := range runs {
+		send(t, db, conv, conv+"1", conv+"2")
+		claims[conv] = claimOne(t, s, conv, run)
+		require.Len(t, claims[conv].ids, 2)
+	}
+	_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET lease_expires_at = now() - interval '1 second' WHERE conversation_id = 'lost'`)
+	require.NoError(t, err)
+	call := func(conv, tool string, ends ...opEnd) recordReq {
+		return recordReq{runID: runs[conv], conversationID: conv, ids: claims[conv].ids, tool: tool, effect: Write,
+			input: []byte(`{"q":"` + tool + `"}`), ends: ends}
+	}
+	first, err := s.recordOperation(ctx, call("b", "first"))
+	require.NoError(t, err)
+
+	got, err := s.recordMany(ctx, []recordReq{
+		call("a", "a-one"),
+		call("b", "b-two", opEnd{id: first, status: "done", output: []byte(`{"sent":true}`), took: time.Millisecond}),
+		call("lost", "never"),
+		call("a", "a-two"),
+	})
+	require.NoError(t, err)
+	require.Len(t, got, 4)
+	for _, i := range []int{0, 1, 3} {
+		require.NoError(t, got[i].err)
+	}
+	require.ErrorIs(t, got[2].err, errLeaseLost)
+	require.Less(t, got[0].id, got[3].id)
+	for i, tool := range map[int]string{0: "a-one", 1: "b-two", 3: "a-two"} {
+		require.Equal(t, tool, scalar[string](t, db, `SELECT tool FROM operations WHERE id = $1`, got[i].id))
+	}
+	require.Empty(t, testsvc.Query[string](t, db, `SELECT tool FROM operations WHERE conversation_id = 'lost'`),
+		"a run that lost its turn records nothing")
+	require.Equal(t, `done {"sent": true}`, scalar[string](t, db, `SELECT status || ' ' || output::text FROM operations WHERE id = $1`, first))
+	require.True(t, scalar[bool](t, db, `SELECT finished_at >= started_at FROM operations WHERE id = $1`, first))
+
+	// jsonb refuses NUL: that call fails alone, the others are recorded one by one.
+	bad := call("a", "bad")
+	bad.input = []byte(`{"q":"\u0000"}`)
+	got, err = s.recordMany(ctx, []recordReq{call("b", "b-three"), bad, call("a", "a-three")})
+	require.NoError(t, err)
+	require.NoError(t, got[0].err)
+	require.Error(t, got[1].err)
+	require.NotErrorIs(t, got[1].err, errLeaseLost)
+	require.NoError(t, got[2].err)
+	require.Equal(t, []string{"a-one", "a-two", "a-three"},
+		testsvc.Query[string](t, db, `SELECT tool FROM operations WHERE conversation_id = 'a' ORDER BY id`))
+}
