@@ -127,7 +127,7 @@ func (s *store) recordAll(ctx context.Context, reqs []recordReq, out []recorded)
 	for i, r := range reqs {
 		runs[i], convs[i], tools[i], effects[i], inputs[i] = r.runID, r.conversationID, r.tool, string(r.effect), string(r.input)
 		counts[i] = int32(len(r.ids)) //nolint:gosec // G115: a run holds at most MaxTurnMessages rows
-		order[i] = int32(i)           //nolint:gosec // G115: i < maxBatch
+		order[i] = int32(i)
 		if _, seen := byRun[r.runID]; !seen {
 			for _, id := range r.ids {
 				rowIDs, rowRuns, rowConvs = append(rowIDs, id), append(rowRuns, r.runID), append(rowConvs, r.conversationID)
