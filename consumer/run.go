@@ -150,6 +150,19 @@ func (w *Worker) record(ctx context.Context, r recordReq) (int64, error) {
 	return res.id, res.err
 }
 
+// history reads a turn's history, sharing the statement with other turns' reads made at the
+// same moment. Outside Run (a turn driven by hand) it is read alone.
+func (w *Worker) history(ctx context.Context, r historyReq) ([]Message, error) {
+	if w.histories == nil {
+		return w.store.history(ctx, r.conversationID, r.first, r.limit)
+	}
+	res, err := w.histories.do(ctx, r)
+	if err != nil {
+		return nil, fmt.Errorf("load history of %q: %w", r.conversationID, err)
+	}
+	return res.msgs, res.err
+}
+
 // keepLease renews the run's lease every Lease/3 and marks held events in progress every
 // AckWait/3, until runEnded is closed (the run's end committed, or failed to). It cancels the
 // turn with errLeaseLost when the lease is lost, and with errStopping ShutdownGrace after ctx

@@ -376,6 +376,18 @@ const historySQL = `SELECT id, role, content, created_at FROM (
 		ORDER BY created_at DESC, id DESC LIMIT $4) h
 	ORDER BY created_at, id`
 
+// historiesSQL is historySQL for several turns at once ($1-$4, one element per turn): each
+// turn's messages come in its order ($5), oldest first. Each conversation is read by its own
+// index probe (LATERAL), whatever the plan.
+const historiesSQL = `
+SELECT i.ord, h.id, h.role, h.content, h.created_at
+FROM unnest($1::text[], $2::timestamptz[], $3::text[], $4::int[], $5::int[]) AS i(conversation_id, created_at, id, lim, ord)
+CROSS JOIN LATERAL (
+    SELECT m.id, m.role, m.content, m.created_at FROM messages m
+    WHERE m.conversation_id = i.conversation_id AND (m.created_at, m.id) < (i.created_at, i.id)
+    ORDER BY m.created_at DESC, m.id DESC LIMIT i.lim) h
+ORDER BY i.ord, h.created_at, h.id`
+
 // pendingConversationsSQL lists up to $2 conversations whose oldest pending row is claimable
 // (not backing off) and at least $1 milliseconds old, with when that row was written, oldest
 // first; busy conversations (a run holds rows of theirs) are left out.

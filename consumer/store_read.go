@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"time"
@@ -194,6 +195,62 @@ func (s *store) history(ctx context.Context, conversationID string, first Messag
 		return nil, fmt.Errorf("load history of %q: %w", conversationID, err)
 	}
 	return msgs, nil
+}
+
+// historyReq asks for up to limit messages of a conversation sent before first (see history).
+type historyReq struct {
+	conversationID string
+	first          Message
+	limit          int
+}
+
+// histories answers a historyReq.
+type histories struct {
+	msgs []Message
+	err  error
+}
+
+// historyMany reads the histories of several turns in one statement. When it fails, each is
+// read on its own, so that a conversation whose messages cannot be read fails alone.
+func (s *store) historyMany(ctx context.Context, reqs []historyReq) ([]histories, error) {
+	out := make([]histories, len(reqs))
+	if len(reqs) > 1 && s.historyAll(ctx, reqs, out) == nil {
+		return out, nil
+	}
+	for i, r := range reqs {
+		out[i] = histories{}
+		out[i].msgs, out[i].err = s.history(ctx, r.conversationID, r.first, r.limit)
+	}
+	return out, nil
+}
+
+// historyAll runs historiesSQL for reqs and fills out.
+func (s *store) historyAll(ctx context.Context, reqs []historyReq, out []histories) error {
+	n := len(reqs)
+	convs, times, ids, limits, order := make([]string, n), make([]time.Time, n), make([]string, n), make([]int32, n), make([]int32, n)
+	for i, r := range reqs {
+		if r.limit < 0 || r.limit > math.MaxInt32 {
+			return fmt.Errorf("history limit %d", r.limit)
+		}
+		convs[i], times[i], ids[i], limits[i], order[i] = r.conversationID, r.first.CreatedAt, r.first.ID, int32(r.limit), int32(i)
+	}
+	rows, err := s.pool.Query(ctx, historiesSQL, convs, times, ids, limits, order)
+	if err != nil {
+		return fmt.Errorf("load %d histories: %w", n, err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var i int32
+		var m Message
+		if err := rows.Scan(&i, &m.ID, &m.Role, &m.Content, &m.CreatedAt); err != nil {
+			return fmt.Errorf("load %d histories: %w", n, err)
+		}
+		out[i].msgs = append(out[i].msgs, m)
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("load %d histories: %w", n, err)
+	}
+	return nil
 }
 
 // pendingConversation is a conversation with claimable rows, since its oldest was written.

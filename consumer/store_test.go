@@ -385,3 +385,41 @@ func TestRecordManyOperations(t *testing.T) {
 	require.Equal(t, []string{"a-one", "a-two", "a-three"},
 		testsvc.Query[string](t, db, `SELECT tool FROM operations WHERE conversation_id = 'a' ORDER BY id`))
 }
+
+// Turns read their histories in one statement, each its own conversation's messages before
+// its first, oldest first; a read Postgres refuses fails alone.
+func TestHistoryMany(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('a'), ('b')`)
+	require.NoError(t, err)
+	send(t, db, "a", "a1", "a2", "a3")
+	send(t, db, "b", "b1", "b2")
+	first := func(id string) Message {
+		var m Message
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT id, role, content, created_at FROM messages WHERE id = $1`, id).
+			Scan(&m.ID, &m.Role, &m.Content, &m.CreatedAt))
+		return m
+	}
+	ids := func(msgs []Message) []string {
+		out := []string{}
+		for _, m := range msgs {
+			out = append(out, m.ID)
+		}
+		return out
+	}
+	reqs := []historyReq{{"a", first("a3"), 100}, {"b", first("b2"), 100}, {"a", first("a3"), 1}, {"b", first("b1"), 100}}
+	got, err := s.historyMany(ctx, reqs)
+	require.NoError(t, err)
+	want := [][]string{{"a1", "a2"}, {"b1"}, {"a2"}, {}}
+	for i := range reqs {
+		require.NoError(t, got[i].err)
+		require.Equal(t, want[i], ids(got[i].msgs), "request %d", i)
+	}
+
+	got, err = s.historyMany(ctx, []historyReq{{"a", first("a3"), 100}, {"b", first("b2"), -1}})
+	require.NoError(t, err)
+	require.NoError(t, got[0].err)
+	require.Equal(t, []string{"a1", "a2"}, ids(got[0].msgs))
+	require.Error(t, got[1].err)
+}

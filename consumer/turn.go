@@ -77,7 +77,7 @@ func (t *Turn) History(ctx context.Context, limit int) ([]Message, error) {
 	if len(t.Messages) == 0 {
 		return nil, nil
 	}
-	return t.w.store.history(ctx, t.ConversationID, t.Messages[0], limit)
+	return t.w.history(ctx, historyReq{conversationID: t.ConversationID, first: t.Messages[0], limit: limit})
 }
 
 // ErrToolFailed wraps the error of a tool the turn called.

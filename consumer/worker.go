@@ -25,11 +25,12 @@ type Worker struct {
 	src   source
 	clock clock
 
-	// claims, finishes and records (of tool calls) share round trips between conversations
-	// (see batcher); they run while Run does.
-	claims   *batcher[claimReq, claim]
-	finishes *batcher[finishReq, error]
-	records  *batcher[recordReq, recorded]
+	// claims, finishes, records (of tool calls) and history reads share round trips between
+	// conversations (see batcher); they run while Run does.
+	claims    *batcher[claimReq, claim]
+	finishes  *batcher[finishReq, error]
+	records   *batcher[recordReq, recorded]
+	histories *batcher[historyReq, histories]
 
 	// sem bounds the turns running at once (Config.MaxConcurrentTurns).
 	sem chan struct{}
@@ -71,6 +72,8 @@ func (w *Worker) Run(ctx context.Context) error {
 	defer w.finishes.close()
 	w.records = newBatcher(maxBatch, batchLinger, 30*time.Second, w.m.batchSize.WithLabelValues("tool"), w.store.recordMany)
 	defer w.records.close()
+	w.histories = newBatcher(maxBatch, batchLinger, 30*time.Second, w.m.batchSize.WithLabelValues("history"), w.store.historyMany)
+	defer w.histories.close()
 	w.recoverOnce(ctx)
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return w.every(gctx, w.cfg.RecoveryInterval, w.recoverOnce) })
