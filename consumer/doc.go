@@ -16,8 +16,10 @@
 //     (claimSQL), so replies keep message order.
 //   - Every tool call goes through Turn.Tool, which records the operation as running before
 //     the tool runs, and only while the run holds every claimed row with a live lease
-//     (recordOperationSQL). A write operation row exists ⇒ the effect may have happened ⇒ the
-//     turn never replays automatically, whatever the row's status (endOfRun).
+//     (recordOperationSQL; recordOperationsSQL when calls of several turns share the
+//     statement, each fenced by its own run). A write operation row exists ⇒ the effect may
+//     have happened ⇒ the turn never replays automatically, whatever the row's status
+//     (endOfRun). A call's end is written with the turn's next statement.
 //   - A turn without a reply ends by endOfRun, per row (planEnd), in one transaction
 //     (store.endRun): a write ⇒ visible failure; shutdown ⇒ released, attempt refunded; the
 //     row's own attempts at Config.MaxAttempts ⇒ visible failure; else pending after a

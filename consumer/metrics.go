@@ -12,7 +12,7 @@ type metrics struct {
 	operations     *prometheus.CounterVec // effect
 	events         *prometheus.CounterVec // result: acked|nacked|terminated
 	running        prometheus.Gauge
-	batchSize      *prometheus.HistogramVec // statement: claim|finish
+	batchSize      *prometheus.HistogramVec // statement: claim|finish|tool|history
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -46,7 +46,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "baton_worker_running_turns", Help: "Turns running now.",
 		}),
 		batchSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "baton_worker_batch_size", Help: "Conversations per claim or final-commit statement (more under load).",
+			Name: "baton_worker_batch_size", Help: "Conversations per claim or final-commit statement, tool calls per record statement, turns per history read (more under load).",
 			Buckets: []float64{1, 2, 4, 8, 16, 32, 64},
 		}, []string{"statement"}),
 	}

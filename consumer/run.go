@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -35,16 +36,26 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 
 	var reply Reply
 	var herr error
+	t := &Turn{ConversationID: conv, RunID: runID, OutboxIDs: c.ids, Messages: c.messages, Attempt: c.attempts, w: w}
 	switch {
 	case c.oversize:
 		herr = fmt.Errorf("%w (Config.MaxTurnBytes is %d)", ErrMessageTooLarge, w.cfg.MaxTurnBytes)
 	case c.unreadable:
 		herr = errUnreadable
 	default:
-		reply, herr = w.handle(turnCtx, conv, runID, c)
+		reply, herr = w.handle(turnCtx, t)
 	}
 	cancel(nil)
 	end := endOfTurn(herr, context.Cause(turnCtx)) // the cause is fixed now: later cancels change nothing
+	// Commits run to completion even when the worker is stopping.
+	dbCtx, dbCancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer dbCancel()
+	// The ends of tool calls not written yet go with the final commit; any other end of the
+	// run writes them first (endRun marks operations still running as interrupted).
+	ends := t.takeEnds()
+	if end != turnReplied {
+		w.endOperations(dbCtx, log, ends)
+	}
 	if end == turnLost {
 		// Recovery (or whoever took the rows) decides their fate, seeing this run's operations.
 		w.m.turns.WithLabelValues(resultLeaseLost).Inc()
@@ -52,16 +63,16 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 		return nil
 	}
 
-	// Commits run to completion even when the worker is stopping.
-	dbCtx, dbCancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	defer dbCancel()
 	var result string
 	var terminal []int64
 	var err error
 	if end == turnReplied {
 		result, terminal = "done", c.ids
 		err = w.finish(dbCtx, finishReq{conversationID: conv, runID: runID, ids: c.ids,
-			outcome: outcome{role: "assistant", content: reply.Content}})
+			outcome: outcome{role: "assistant", content: reply.Content}, ends: ends})
+		if err != nil {
+			w.endOperations(dbCtx, log, ends) // nothing of the final commit was written
+		}
 	} else {
 		// Not a reply: endOfRun decides per row, seeing every write operation of the run.
 		stopping := end == turnStopped
@@ -86,9 +97,16 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 	return terminal
 }
 
-// handle calls the handler with the claimed turn.
-func (w *Worker) handle(ctx context.Context, conv, runID string, c claim) (Reply, error) {
-	t := &Turn{ConversationID: conv, RunID: runID, OutboxIDs: c.ids, Messages: c.messages, Attempt: c.attempts, w: w}
+// endOperations writes the ends of tool calls that no other statement of the run carries.
+// Best effort: an operation whose end is not written shows as interrupted.
+func (w *Worker) endOperations(ctx context.Context, log *slog.Logger, ends []opEnd) {
+	if err := w.store.endOperations(ctx, ends); err != nil {
+		log.Warn("record the end of tool calls", "error", err)
+	}
+}
+
+// handle calls the handler with the claimed turn t.
+func (w *Worker) handle(ctx context.Context, t *Turn) (Reply, error) {
 	reply, err := w.callHandler(ctx, t)
 	if err != nil {
 		return Reply{}, err
@@ -117,6 +135,32 @@ func (w *Worker) finish(ctx context.Context, r finishReq) error {
 		return err
 	}
 	return runErr
+}
+
+// record records a tool call, sharing the statement with other turns' calls made at the same
+// moment. Outside Run (a turn driven by hand) the call is recorded alone.
+func (w *Worker) record(ctx context.Context, r recordReq) (int64, error) {
+	if w.records == nil {
+		return w.store.recordOperation(ctx, r)
+	}
+	res, err := w.records.do(ctx, r)
+	if err != nil {
+		return 0, fmt.Errorf("record operation: %w", err)
+	}
+	return res.id, res.err
+}
+
+// history reads a turn's history, sharing the statement with other turns' reads made at the
+// same moment. Outside Run (a turn driven by hand) it is read alone.
+func (w *Worker) history(ctx context.Context, r historyReq) ([]Message, error) {
+	if w.histories == nil {
+		return w.store.history(ctx, r.conversationID, r.first, r.limit)
+	}
+	res, err := w.histories.do(ctx, r)
+	if err != nil {
+		return nil, fmt.Errorf("load history of %q: %w", r.conversationID, err)
+	}
+	return res.msgs, res.err
 }
 
 // keepLease renews the run's lease every Lease/3 and marks held events in progress every

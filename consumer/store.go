@@ -163,11 +163,20 @@ WHERE o.id IN (SELECT id FROM held) AND (SELECT count(*) FROM held) = cardinalit
 // unknown length, never look cheaper than a custom plan for a one-element array, though
 // they are the same index probes.
 //
+// It turns sequential scans off for the transaction: a generic plan is made once per
+// connection and kept until the tables' statistics change, so one made while a table was
+// nearly empty (a new database; autovacuum analyzes it a minute later at the earliest) would
+// otherwise scan that table whole on every execution as it grows. Seen in baton bench turns
+// (a new database per phase): the final commit's update of the runs' operations read the
+// whole operations table; without that scan the tools phase's final commits took a sixth
+// less time (pg_stat_statements, 760 instead of 920µs per run).
+//
 // It also sets lock_timeout ($1) for the final commit: a conversation row that another
 // transaction holds for long fails the commit (55P03) instead of stalling it, and every
 // final commit queued behind it; a shared commit is then redone run by run, so only the run
 // of the held conversation fails (and is recovered after its lease).
-const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('lock_timeout', $1, true)`
+const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_seqscan', 'off', true),
+	set_config('lock_timeout', $1, true)`
 
 // finishSQL ends runs in one statement, so in one transaction and one round trip:
 //   - per run, the logical message naming the rows its reply answers, for the relay's outcome
@@ -180,8 +189,9 @@ const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_pla
 //     recreated with the same id (the foreign key would pass), fails the fence too: the old
 //     turn's reply never lands in a new conversation. finishOne tells a deleted conversation
 //     from a lost lease afterwards;
-//   - the runs' operations attached to their replies (any still running marked interrupted),
-//     the conversations' metadata, the runs' records.
+//   - the runs' operations attached to their replies (any still running marked interrupted;
+//     the ends of tool calls not written yet are written just before, by endOperationsSQL in
+//     the same transaction), the conversations' metadata, the runs' records.
 //
 // One statement instead of six pipelined ones costs about a quarter less server CPU per turn
 // (measured with pgbench on this schema). Every table is reached through "= ANY(array)" on an
@@ -304,6 +314,10 @@ const runlessLeftSQL = `SELECT EXISTS (SELECT 1 FROM agent_outbox
 // first, and then this insert finds them, or some of them, no longer the run's. So a run that
 // lost its turn, whole or in part, can never start a tool, and recovery never misses an
 // operation that started: a write tool cannot run in a run whose turn is replayed elsewhere.
+//
+// In the same transaction (endOperationsSQL before it, in one round trip) it writes the ends
+// of the turn's tool calls that returned since the turn's last statement, whether or not the
+// new one is recorded: a tool call's end costs no transaction of its own.
 const recordOperationSQL = `
 WITH held AS (
     SELECT id FROM agent_outbox
@@ -315,10 +329,42 @@ SELECT $1, $2, $3, $4, $5
 WHERE (SELECT count(*) FROM held) = cardinality($6::bigint[])
 RETURNING id`
 
-// finishOperationSQL records the end of an operation: its status, output and error (an empty
-// error is stored as NULL).
-const finishOperationSQL = `UPDATE operations SET status = $2, output = $3, error = nullif($4, ''), finished_at = now()
-	WHERE id = $1`
+// recordOperationsSQL is recordOperationSQL for several tool calls ($1-$7, one per call, $7
+// its order) of distinct runs or not, in one statement. $8-$10 list each run's claimed rows
+// once (row id, run, conversation). Each call is recorded only when its run holds every row
+// it claimed with a live lease ($6: how many it claimed), by the same FOR SHARE rule, the rows
+// locked in id order. The calls are inserted in their order, so the ids returned for one run,
+// ascending, belong to its recorded calls in their order.
+const recordOperationsSQL = `
+WITH input AS (
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::int[], $7::int[])
+        AS i(run_id, conversation_id, tool, effect, input, n, ord)
+), held AS (
+    SELECT o.id, o.run_id FROM agent_outbox o
+    JOIN unnest($8::bigint[], $9::uuid[], $10::text[]) AS r(id, run_id, conversation_id)
+        ON o.id = r.id AND o.run_id = r.run_id AND o.conversation_id = r.conversation_id
+    WHERE o.id = ANY($8) AND o.status = 'processing' AND o.lease_expires_at > now()
+    ORDER BY o.id
+    FOR SHARE OF o
+), holds AS (
+    SELECT run_id, count(*) AS n FROM held GROUP BY run_id
+)
+INSERT INTO operations (run_id, conversation_id, tool, effect, input)
+SELECT i.run_id, i.conversation_id, i.tool, i.effect, i.input
+FROM input i JOIN holds h ON h.run_id = i.run_id AND h.n = i.n
+ORDER BY i.ord
+RETURNING run_id, id`
+
+// endOperationsSQL records the ends of tool calls ($1: operation ids) as $2 (done or error),
+// with output $3 (JSON text, NULL for none) and error $4 (NULL for none). finished_at is
+// started_at plus $5 microseconds: the time the worker measured from just before it recorded
+// the call to the call's end, which is written later, in the transaction of the turn's next
+// statement (recordOperationSQL, finishSQL), or alone before a run ends otherwise.
+const endOperationsSQL = `
+UPDATE operations op SET status = e.status, output = e.output::jsonb, error = e.error,
+    finished_at = op.started_at + e.took_us * interval '1 microsecond'
+FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::bigint[]) AS e(id, status, output, error, took_us)
+WHERE op.id = ANY($1) AND op.id = e.id`
 
 // Reads: history, the sources' look for pending work, the states of held events' rows.
 
@@ -329,6 +375,18 @@ const historySQL = `SELECT id, role, content, created_at FROM (
 		WHERE conversation_id = $1 AND (created_at, id) < ($2, $3)
 		ORDER BY created_at DESC, id DESC LIMIT $4) h
 	ORDER BY created_at, id`
+
+// historiesSQL is historySQL for several turns at once ($1-$4, one element per turn): each
+// turn's messages come in its order ($5), oldest first. Each conversation is read by its own
+// index probe (LATERAL), whatever the plan.
+const historiesSQL = `
+SELECT i.ord, h.id, h.role, h.content, h.created_at
+FROM unnest($1::text[], $2::timestamptz[], $3::text[], $4::int[], $5::int[]) AS i(conversation_id, created_at, id, lim, ord)
+CROSS JOIN LATERAL (
+    SELECT m.id, m.role, m.content, m.created_at FROM messages m
+    WHERE m.conversation_id = i.conversation_id AND (m.created_at, m.id) < (i.created_at, i.id)
+    ORDER BY m.created_at DESC, m.id DESC LIMIT i.lim) h
+ORDER BY i.ord, h.created_at, h.id`
 
 // pendingConversationsSQL lists up to $2 conversations whose oldest pending row is claimable
 // (not backing off) and at least $1 milliseconds old, with when that row was written, oldest

@@ -31,6 +31,8 @@ type finishReq struct {
 	outcome
 	// replyID names the message that ends the run; empty: a new one is made (newReplyID).
 	replyID string
+	// ends are the ends of the run's tool calls not written yet.
+	ends []opEnd
 }
 
 // status is what the run's rows become.
@@ -162,6 +164,7 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 	roles, contents, reasons, answers := make([]string, n), make([]string, n), make([]*string, n), make([]string, n)
 	counts := make([]int32, n)
 	var ids []int64
+	var ends []opEnd
 	for i, r := range reqs {
 		if r.replyID == "" {
 			r.replyID = newReplyID(r.role)
@@ -181,10 +184,15 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 		}{replies[i], r.ids})
 		answers[i] = string(a)
 		ids = append(ids, r.ids...)
+		ends = append(ends, r.ends...)
 		counts[i] = int32(len(r.ids)) //nolint:gosec // G115: a run holds at most MaxTurnMessages rows
 	}
 	batch := &pgx.Batch{}
 	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
+	if len(ends) > 0 {
+		endIDs, endStatuses, outputs, errs, took := opEnds(ends)
+		batch.Queue(endOperationsSQL, endIDs, endStatuses, outputs, errs, took)
+	}
 	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, wire.AnswersPrefix, counts)
 	err := q.SendBatch(ctx, batch).Close()
 	var pgErr *pgconn.PgError

@@ -4,16 +4,76 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 )
 
-// recordOperation records a tool call of run as running and returns its id, or errLeaseLost
-// when the run no longer holds its turn.
-func (s *store) recordOperation(ctx context.Context, runID, conversationID string, ids []int64, tool string, effect Effect, input []byte) (int64, error) {
+// opEnd is how a tool call ended, kept by its Turn until the turn's next statement writes it
+// (recordOperationSQL, finishSQL, or endOperationsSQL).
+type opEnd struct {
+	id      int64
+	status  string // done or error
+	output  []byte // JSON; nil for none
+	errText string
+	took    time.Duration // from just before the call was recorded to its end
+}
+
+// opEnds are the columns of ends, as recordOperationSQL, finishSQL and endOperationsSQL take
+// them.
+func opEnds(ends []opEnd) (ids []int64, statuses []string, outputs, errs []*string, tookUS []int64) {
+	ids, statuses = make([]int64, len(ends)), make([]string, len(ends))
+	outputs, errs, tookUS = make([]*string, len(ends)), make([]*string, len(ends)), make([]int64, len(ends))
+	for i, e := range ends {
+		ids[i], statuses[i], tookUS[i] = e.id, e.status, e.took.Microseconds()
+		if e.output != nil {
+			out := string(e.output)
+			outputs[i] = &out
+		}
+		if e.errText != "" {
+			errText := e.errText
+			errs[i] = &errText
+		}
+	}
+	return ids, statuses, outputs, errs, tookUS
+}
+
+// recordReq is a tool call to record for a run (see recordOperationSQL), with ends, the ends
+// of the run's earlier calls not written yet.
+type recordReq struct {
+	runID, conversationID string
+	ids                   []int64 // the run's claimed rows
+	tool                  string
+	effect                Effect
+	input                 []byte
+	ends                  []opEnd
+}
+
+// recorded is the answer to a recordReq: the operation's id, or why it was not recorded
+// (errLeaseLost: the run no longer holds its turn).
+type recorded struct {
+	id  int64
+	err error
+}
+
+// recordOperation records a tool call as running and returns its id, or errLeaseLost when the
+// run no longer holds its turn. It writes r.ends in the same transaction; they are written
+// unless it returns another error.
+func (s *store) recordOperation(ctx context.Context, r recordReq) (int64, error) {
 	var id int64
-	err := s.pool.QueryRow(ctx, recordOperationSQL, runID, conversationID, tool, string(effect), input, ids).Scan(&id)
+	batch := &pgx.Batch{}
+	if len(r.ends) > 0 {
+		batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
+		endIDs, statuses, outputs, errs, took := opEnds(r.ends)
+		batch.Queue(endOperationsSQL, endIDs, statuses, outputs, errs, took)
+	}
+	batch.Queue(recordOperationSQL, r.runID, r.conversationID, r.tool, string(r.effect), r.input, r.ids).QueryRow(func(row pgx.Row) error {
+		return row.Scan(&id)
+	})
+	err := s.pool.SendBatch(ctx, batch).Close()
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return 0, fmt.Errorf("not run: %w", errLeaseLost)
@@ -23,10 +83,105 @@ func (s *store) recordOperation(ctx context.Context, runID, conversationID strin
 	return id, nil
 }
 
-// finishOperation records the end of operation id: done with its output, or error.
-func (s *store) finishOperation(ctx context.Context, id int64, status string, output []byte, errText string) error {
-	_, err := s.pool.Exec(ctx, finishOperationSQL, id, status, output, errText)
-	return err
+// recordMany records tool calls of several runs (or several of one run) in one transaction,
+// the ends they carry written with them, and returns each one's answer. When the shared
+// statement fails for a reason that left nothing written (Postgres refused it), the calls are
+// recorded one by one, so that a call Postgres refuses (its input, a lock held too long) fails
+// alone. A connection lost meanwhile fails them all, as it would have failed each: a record
+// whose answer was lost is never repeated (a write operation row may exist; its turn fails).
+func (s *store) recordMany(ctx context.Context, reqs []recordReq) ([]recorded, error) {
+	out := make([]recorded, len(reqs))
+	if len(reqs) == 1 {
+		out[0].id, out[0].err = s.recordOperation(ctx, reqs[0])
+		return out, nil
+	}
+	err := s.recordAll(ctx, reqs, out)
+	if err == nil {
+		return out, nil
+	}
+	if transient(err) || ctx.Err() != nil {
+		return nil, fmt.Errorf("record %d operations: %w", len(reqs), err)
+	}
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, isolateConcurrency)
+	for i, r := range reqs {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			out[i].id, out[i].err = s.recordOperation(ctx, r)
+		})
+	}
+	wg.Wait()
+	return out, nil
+}
+
+// recordAll runs recordOperationsSQL for reqs, after endOperationsSQL for the ends they carry,
+// in one transaction, and fills out.
+func (s *store) recordAll(ctx context.Context, reqs []recordReq, out []recorded) error {
+	n := len(reqs)
+	runs, convs, tools, effects := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	inputs, counts, order := make([]string, n), make([]int32, n), make([]int32, n)
+	var rowIDs []int64
+	var rowRuns, rowConvs []string
+	var ends []opEnd
+	byRun := map[string][]int{} // the calls of each run, in order
+	for i, r := range reqs {
+		runs[i], convs[i], tools[i], effects[i], inputs[i] = r.runID, r.conversationID, r.tool, string(r.effect), string(r.input)
+		counts[i] = int32(len(r.ids)) //nolint:gosec // G115: a run holds at most MaxTurnMessages rows
+		order[i] = int32(i)
+		if _, seen := byRun[r.runID]; !seen {
+			for _, id := range r.ids {
+				rowIDs, rowRuns, rowConvs = append(rowIDs, id), append(rowRuns, r.runID), append(rowConvs, r.conversationID)
+			}
+		}
+		byRun[r.runID] = append(byRun[r.runID], i)
+		ends = append(ends, r.ends...)
+	}
+	batch := &pgx.Batch{}
+	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
+	if len(ends) > 0 {
+		endIDs, statuses, outputs, errs, took := opEnds(ends)
+		batch.Queue(endOperationsSQL, endIDs, statuses, outputs, errs, took)
+	}
+	ids := map[string][]int64{}
+	batch.Queue(recordOperationsSQL, runs, convs, tools, effects, inputs, counts, order, rowIDs, rowRuns, rowConvs).Query(func(rows pgx.Rows) error {
+		for rows.Next() {
+			var run string
+			var id int64
+			if err := rows.Scan(&run, &id); err != nil {
+				return err
+			}
+			ids[run] = append(ids[run], id)
+		}
+		return rows.Err()
+	})
+	if err := s.pool.SendBatch(ctx, batch).Close(); err != nil {
+		return err
+	}
+	for run, calls := range byRun {
+		got := ids[run]
+		slices.Sort(got)
+		for k, i := range calls {
+			if len(got) != len(calls) {
+				out[i].err = fmt.Errorf("not run: %w", errLeaseLost)
+				continue
+			}
+			out[i].id = got[k]
+		}
+	}
+	return nil
+}
+
+// endOperations writes ends, the ends of tool calls, in a transaction of their own.
+func (s *store) endOperations(ctx context.Context, ends []opEnd) error {
+	if len(ends) == 0 {
+		return nil
+	}
+	endIDs, statuses, outputs, errs, took := opEnds(ends)
+	if _, err := s.pool.Exec(ctx, endOperationsSQL, endIDs, statuses, outputs, errs, took); err != nil {
+		return fmt.Errorf("record the end of %d tool calls: %w", len(ends), err)
+	}
+	return nil
 }
 
 // history returns up to limit messages of conversation sent before first, oldest first.
@@ -40,6 +195,62 @@ func (s *store) history(ctx context.Context, conversationID string, first Messag
 		return nil, fmt.Errorf("load history of %q: %w", conversationID, err)
 	}
 	return msgs, nil
+}
+
+// historyReq asks for up to limit messages of a conversation sent before first (see history).
+type historyReq struct {
+	conversationID string
+	first          Message
+	limit          int
+}
+
+// histories answers a historyReq.
+type histories struct {
+	msgs []Message
+	err  error
+}
+
+// historyMany reads the histories of several turns in one statement. When it fails, each is
+// read on its own, so that a conversation whose messages cannot be read fails alone.
+func (s *store) historyMany(ctx context.Context, reqs []historyReq) ([]histories, error) {
+	out := make([]histories, len(reqs))
+	if len(reqs) > 1 && s.historyAll(ctx, reqs, out) == nil {
+		return out, nil
+	}
+	for i, r := range reqs {
+		out[i] = histories{}
+		out[i].msgs, out[i].err = s.history(ctx, r.conversationID, r.first, r.limit)
+	}
+	return out, nil
+}
+
+// historyAll runs historiesSQL for reqs and fills out.
+func (s *store) historyAll(ctx context.Context, reqs []historyReq, out []histories) error {
+	n := len(reqs)
+	convs, times, ids, limits, order := make([]string, n), make([]time.Time, n), make([]string, n), make([]int32, n), make([]int32, n)
+	for i, r := range reqs {
+		if r.limit < 0 || r.limit > math.MaxInt32 {
+			return fmt.Errorf("history limit %d", r.limit)
+		}
+		convs[i], times[i], ids[i], limits[i], order[i] = r.conversationID, r.first.CreatedAt, r.first.ID, int32(r.limit), int32(i)
+	}
+	rows, err := s.pool.Query(ctx, historiesSQL, convs, times, ids, limits, order)
+	if err != nil {
+		return fmt.Errorf("load %d histories: %w", n, err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var i int32
+		var m Message
+		if err := rows.Scan(&i, &m.ID, &m.Role, &m.Content, &m.CreatedAt); err != nil {
+			return fmt.Errorf("load %d histories: %w", n, err)
+		}
+		out[i].msgs = append(out[i].msgs, m)
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("load %d histories: %w", n, err)
+	}
+	return nil
 }
 
 // pendingConversation is a conversation with claimable rows, since its oldest was written.

@@ -100,9 +100,10 @@ func TestFinishAfterConversationDeleted(t *testing.T) {
 }
 
 // Every statement on a run's rows finds them by key, whatever the planner believes about how
-// many rows are processing: with 5,000 processing rows of other runs (statistics taken when
-// there were none) the generic plans (what prepared statements get after a few runs) of
-// the claim, the final commit, the renewal and the tool check read only their own rows.
+// many rows are processing: with 5,000 processing rows of other runs and 5,000 operations of
+// theirs (statistics taken when there were none) the generic plans (what prepared statements
+// get after a few runs) of the claim, the final commit, the renewal and the tool check read
+// only their own rows.
 func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
@@ -115,6 +116,9 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET status = 'processing', run_id = gen_random_uuid(),
 		lease_expires_at = now() + interval '1 hour'`)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `INSERT INTO operations (run_id, conversation_id, tool, effect)
+		SELECT run_id, conversation_id, 'lookup', 'read' FROM agent_outbox`)
 	require.NoError(t, err)
 	send(t, db, "c", "m1")
 	const run = "00000000-0000-4000-8000-000000000003"
@@ -165,7 +169,8 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 		fmt.Sprintf(`'%s', 'c', 'tool', 'read', '{}', '{%d}'`, run, c.ids[0]))
 	narrow("tool check", tool)
 	finishPlan := plan(`text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text, int[]`, finishSQL,
-		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}'`, run, c.ids[0]))
+		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}'`, run, c.ids[0]),
+		strings.Replace(genericPlansSQL, "$1", "'5000ms'", 1))
 	narrow("final commit", finishPlan)
 
 	err = s.finishOne(ctx, finishReq{conversationID: "c", runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "ok"}})
@@ -319,4 +324,102 @@ func TestToolRefusedAfterTheTurnIsLost(t *testing.T) {
 			require.Equal(t, []string{"lookup"}, testsvc.Query[string](t, db, `SELECT tool FROM operations ORDER BY id`))
 		})
 	}
+}
+
+// Tool calls of several runs share one record statement, each with its run's fence: a run
+// that lost its turn gets errLeaseLost and nothing recorded, two calls of one run get their
+// own operations in their order, the ends the calls carry are written with them, and a call
+// Postgres refuses fails alone.
+func TestRecordManyOperations(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('a'), ('b'), ('lost')`)
+	require.NoError(t, err)
+	runs := map[string]string{"a": "00000000-0000-4000-8000-0000000000a1", "b": "00000000-0000-4000-8000-0000000000b1",
+		"lost": "00000000-0000-4000-8000-0000000000d1"}
+	claims := map[string]claim{}
+	for conv, run := range runs {
+		send(t, db, conv, conv+"1", conv+"2")
+		claims[conv] = claimOne(t, s, conv, run)
+		require.Len(t, claims[conv].ids, 2)
+	}
+	_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET lease_expires_at = now() - interval '1 second' WHERE conversation_id = 'lost'`)
+	require.NoError(t, err)
+	call := func(conv, tool string, ends ...opEnd) recordReq {
+		return recordReq{runID: runs[conv], conversationID: conv, ids: claims[conv].ids, tool: tool, effect: Write,
+			input: []byte(`{"q":"` + tool + `"}`), ends: ends}
+	}
+	first, err := s.recordOperation(ctx, call("b", "first"))
+	require.NoError(t, err)
+
+	got, err := s.recordMany(ctx, []recordReq{
+		call("a", "a-one"),
+		call("b", "b-two", opEnd{id: first, status: "done", output: []byte(`{"sent":true}`), took: time.Millisecond}),
+		call("lost", "never"),
+		call("a", "a-two"),
+	})
+	require.NoError(t, err)
+	require.Len(t, got, 4)
+	for _, i := range []int{0, 1, 3} {
+		require.NoError(t, got[i].err)
+	}
+	require.ErrorIs(t, got[2].err, errLeaseLost)
+	require.Less(t, got[0].id, got[3].id)
+	for i, tool := range map[int]string{0: "a-one", 1: "b-two", 3: "a-two"} {
+		require.Equal(t, tool, scalar[string](t, db, `SELECT tool FROM operations WHERE id = $1`, got[i].id))
+	}
+	require.Empty(t, testsvc.Query[string](t, db, `SELECT tool FROM operations WHERE conversation_id = 'lost'`),
+		"a run that lost its turn records nothing")
+	require.Equal(t, `done {"sent": true}`, scalar[string](t, db, `SELECT status || ' ' || output::text FROM operations WHERE id = $1`, first))
+	require.True(t, scalar[bool](t, db, `SELECT finished_at >= started_at FROM operations WHERE id = $1`, first))
+
+	// jsonb refuses NUL: that call fails alone, the others are recorded one by one.
+	bad := call("a", "bad")
+	bad.input = []byte(`{"q":"\u0000"}`)
+	got, err = s.recordMany(ctx, []recordReq{call("b", "b-three"), bad, call("a", "a-three")})
+	require.NoError(t, err)
+	require.NoError(t, got[0].err)
+	require.Error(t, got[1].err)
+	require.NotErrorIs(t, got[1].err, errLeaseLost)
+	require.NoError(t, got[2].err)
+	require.Equal(t, []string{"a-one", "a-two", "a-three"},
+		testsvc.Query[string](t, db, `SELECT tool FROM operations WHERE conversation_id = 'a' ORDER BY id`))
+}
+
+// Turns read their histories in one statement, each its own conversation's messages before
+// its first, oldest first; a read Postgres refuses fails alone.
+func TestHistoryMany(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('a'), ('b')`)
+	require.NoError(t, err)
+	send(t, db, "a", "a1", "a2", "a3")
+	send(t, db, "b", "b1", "b2")
+	first := func(id string) Message {
+		var m Message
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT id, role, content, created_at FROM messages WHERE id = $1`, id).
+			Scan(&m.ID, &m.Role, &m.Content, &m.CreatedAt))
+		return m
+	}
+	ids := func(msgs []Message) []string {
+		out := []string{}
+		for _, m := range msgs {
+			out = append(out, m.ID)
+		}
+		return out
+	}
+	reqs := []historyReq{{"a", first("a3"), 100}, {"b", first("b2"), 100}, {"a", first("a3"), 1}, {"b", first("b1"), 100}}
+	got, err := s.historyMany(ctx, reqs)
+	require.NoError(t, err)
+	want := [][]string{{"a1", "a2"}, {"b1"}, {"a2"}, {}}
+	for i := range reqs {
+		require.NoError(t, got[i].err)
+		require.Equal(t, want[i], ids(got[i].msgs), "request %d", i)
+	}
+
+	got, err = s.historyMany(ctx, []historyReq{{"a", first("a3"), 100}, {"b", first("b2"), -1}})
+	require.NoError(t, err)
+	require.NoError(t, got[0].err)
+	require.Equal(t, []string{"a1", "a2"}, ids(got[0].msgs))
+	require.Error(t, got[1].err)
 }

@@ -1,10 +1,12 @@
 package consumer
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 )
 
@@ -48,6 +50,25 @@ type Turn struct {
 	Attempt int
 
 	w *Worker
+	// mu guards ends: the ends of tool calls that returned, not yet written (see Tool).
+	mu   sync.Mutex
+	ends []opEnd
+}
+
+// takeEnds takes the ends of the turn's tool calls not written yet.
+func (t *Turn) takeEnds() []opEnd {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ends := t.ends
+	t.ends = nil
+	return ends
+}
+
+// keepEnds keeps ends to be written with the turn's next statement.
+func (t *Turn) keepEnds(ends ...opEnd) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.ends = append(t.ends, ends...)
 }
 
 // History returns up to limit messages of the conversation sent before this turn's first
@@ -56,7 +77,7 @@ func (t *Turn) History(ctx context.Context, limit int) ([]Message, error) {
 	if len(t.Messages) == 0 {
 		return nil, nil
 	}
-	return t.w.store.history(ctx, t.ConversationID, t.Messages[0], limit)
+	return t.w.history(ctx, historyReq{conversationID: t.ConversationID, first: t.Messages[0], limit: limit})
 }
 
 // ErrToolFailed wraps the error of a tool the turn called.
@@ -66,9 +87,13 @@ var ErrToolFailed = errors.New("tool failed")
 const maxToolName = 200
 
 // Tool runs one tool call of the turn with its effect declared. The operation is recorded
-// as running (with input) and committed before fn runs, then finished as done (with output) or
-// error. Only a run that still holds every row it claimed, with a live lease, may start a
-// tool: otherwise Tool returns an error and fn does not run.
+// as running (with input) and committed before fn runs. Only a run that still holds every row
+// it claimed, with a live lease, may start a tool: otherwise Tool returns an error and fn does
+// not run.
+//
+// The call's end (done with output, or error) is written with the turn's next statement: the
+// next tool call's record, or the turn's end (its final commit, or whatever ends it otherwise).
+// Until then the operation shows as running; finished_at is when the call ended.
 //
 // For a Write tool, the operation's row alone means the effect may have happened, whatever
 // the row's status: if fn fails (its error may come after the effect, as a timeout does), is
@@ -83,27 +108,40 @@ func (t *Turn) Tool(ctx context.Context, tool string, effect Effect, input any, 
 		return nil, fmt.Errorf("tool %s: encode input: %w", tool, err)
 	}
 	s := t.w.store
-	opID, err := s.recordOperation(ctx, t.RunID, t.ConversationID, t.OutboxIDs, sanitize(tool, maxToolName), effect, in)
+	ends := t.takeEnds()
+	start := t.w.clock.Now()
+	opID, err := t.w.record(ctx, recordReq{runID: t.RunID, conversationID: t.ConversationID, ids: t.OutboxIDs,
+		tool: sanitize(tool, maxToolName), effect: effect, input: in, ends: ends})
 	if err != nil {
+		if !errors.Is(err, errLeaseLost) {
+			t.keepEnds(ends...) // not written: the statement failed
+		}
 		return nil, fmt.Errorf("tool %s: %w", tool, err)
 	}
 	t.w.m.operations.WithLabelValues(string(effect)).Inc()
 	out, runErr := fn(ctx)
-	// The operation's end is recorded even when ctx was cancelled meanwhile.
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer cancel()
+	end := opEnd{id: opID, took: t.w.clock.Now().Sub(start)}
 	if runErr != nil {
-		if err := s.finishOperation(rctx, opID, "error", nil, detail(runErr)); err != nil {
-			return nil, fmt.Errorf("tool %s: record failure: %w", tool, err)
-		}
+		end.status, end.errText = "error", detail(runErr)
+		t.keepEnds(end)
 		return nil, fmt.Errorf("%w: %s: %w", ErrToolFailed, tool, runErr)
 	}
 	outJSON, err := json.Marshal(out)
 	if err != nil {
 		return nil, fmt.Errorf("tool %s: encode output: %w", tool, err)
 	}
-	if err := s.finishOperation(rctx, opID, "done", outJSON, ""); err != nil {
-		return nil, fmt.Errorf("tool %s: record result: %w", tool, err)
+	end.status, end.output = "done", outJSON
+	if bytes.Contains(outJSON, []byte(`\u0000`)) {
+		// Postgres's jsonb refuses NUL: written later, this end would fail the statement that
+		// carries it (another turn's record, the final commit), so it is written now, alone,
+		// and Postgres's refusal fails this call.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		if err := s.endOperations(rctx, []opEnd{end}); err != nil {
+			return nil, fmt.Errorf("tool %s: record result: %w", tool, err)
+		}
+		return out, nil
 	}
+	t.keepEnds(end)
 	return out, nil
 }

@@ -25,10 +25,12 @@ type Worker struct {
 	src   source
 	clock clock
 
-	// claims and finishes share round trips between conversations (see batcher); they run
-	// while Run does.
-	claims   *batcher[claimReq, claim]
-	finishes *batcher[finishReq, error]
+	// claims, finishes, records (of tool calls) and history reads share round trips between
+	// conversations (see batcher); they run while Run does.
+	claims    *batcher[claimReq, claim]
+	finishes  *batcher[finishReq, error]
+	records   *batcher[recordReq, recorded]
+	histories *batcher[historyReq, histories]
 
 	// sem bounds the turns running at once (Config.MaxConcurrentTurns).
 	sem chan struct{}
@@ -68,6 +70,10 @@ func (w *Worker) Run(ctx context.Context) error {
 	defer w.claims.close()
 	w.finishes = newBatcher(maxBatch, batchLinger, 30*time.Second, w.m.batchSize.WithLabelValues("finish"), w.store.finishMany)
 	defer w.finishes.close()
+	w.records = newBatcher(maxBatch, batchLinger, 30*time.Second, w.m.batchSize.WithLabelValues("tool"), w.store.recordMany)
+	defer w.records.close()
+	w.histories = newBatcher(maxBatch, batchLinger, 30*time.Second, w.m.batchSize.WithLabelValues("history"), w.store.historyMany)
+	defer w.histories.close()
 	w.recoverOnce(ctx)
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return w.every(gctx, w.cfg.RecoveryInterval, w.recoverOnce) })

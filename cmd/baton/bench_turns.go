@@ -94,7 +94,7 @@ func runBenchTurns(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.IntVar(&opts.rounds, "rounds", bench.DefaultTurnsRounds, "run every phase this many times and report medians")
 	fs.BoolVar(&opts.jsonOut, "json", false, "write the report as JSON")
 	fs.StringVar(&opts.profile, "profile", "", "write a CPU profile of this process (workers, producers) during the first\n"+
-		"throughput phase to `dir`/worker.pprof")
+		"throughput or tools phase to `dir`/worker.pprof")
 	fs.StringVar(&opts.relayBin, "relay-binary", "", "the baton `program` to run `relay` with (default: this program)")
 	cfg, log, err := configureBenchTurns(fs, args, stderr)
 	if err != nil {

@@ -155,7 +155,8 @@ type TurnsConfig struct {
 	Rounds int
 	// ProfileDir, when set, receives worker.pprof: a CPU profile of this process (workers,
 	// producers and, when embedded, the NATS server) during the first round's first
-	// zero-tool throughput phase. Default: empty, no profile.
+	// throughput or tools phase (zero-tool throughput unless Only leaves it out). Default:
+	// empty, no profile.
 	ProfileDir string
 
 	// Progress receives a line per phase. Default: discard.
@@ -327,7 +328,7 @@ func (b *Turns) Run(ctx context.Context) (rep *TurnsReport, err error) {
 		for i, ph := range b.phases {
 			b.progressf("round %d/%d, phase %d/%d: %s\n", round+1, b.cfg.Rounds, i+1, len(b.phases), ph)
 			profile := ""
-			if b.cfg.ProfileDir != "" && !profiled && ph.kind == TurnsKindThroughput {
+			if b.cfg.ProfileDir != "" && !profiled && ph.kind != TurnsKindLatency {
 				profile, profiled = b.cfg.ProfileDir, true
 			}
 			res, err := b.runPhase(ctx, env, ph, profile)

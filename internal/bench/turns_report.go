@@ -370,7 +370,7 @@ func (r *TurnsReport) WriteTable(w io.Writer) error {
 	p("  handler: echo reply at once (no tools), or one read and one write tool per turn (tools)\n")
 	p("  producers: %d in this process; PostgreSQL: %s; NATS: %s\n", s.Producers, s.Postgres, s.NATS)
 	if s.Profile != "" {
-		p("  CPU profile of this process during the first throughput phase: %s\n", s.Profile)
+		p("  CPU profile of this process during the first throughput or tools phase: %s\n", s.Profile)
 	}
 	multi := s.Rounds > 1
 	num := func(f TurnsFigure, prec int) string { return turnsFmtFigure(f, prec, multi) }
