@@ -246,3 +246,29 @@ func TestAdvModeTinyWindows(t *testing.T) {
 		})
 	}
 }
+
+// A guard for the fix of TestAdvModeStatusReplyEndsBatchesMidCatchUp: with the answers to its
+// own status updates no longer taken for "caught up", the relay still leaves batches after a
+// burst once the walsender waits for WAL (its own keepalives), and the trickle after it goes
+// out event by event.
+func TestAdvModeLeavesBatchesAfterABurst(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := ctxT(t, 3*time.Minute)
+	createConversations(t, b.db.Pool, "hot", "cool")
+	reg := prometheus.NewRegistry()
+	b.cfg.Registerer = reg
+	b.startActive(t)
+	require.NoError(t, advBurst(ctx, b.db.Pool, "hot", "burst", 5000))
+	b.waitStreamCount(t, "AGENT_TURNS", 5000, time.Minute)
+	require.GreaterOrEqual(t, counter(t, reg, "baton_relay_publish_switches_total", "batches"), 1.0, "the burst went in batches")
+	for i := range 200 {
+		if counter(t, reg, "baton_relay_publish_switches_total", "events") >= 1 {
+			break
+		}
+		_, err := send(ctx, b.db.Pool, "cool", fmt.Sprintf("t%d", i))
+		require.NoError(t, err)
+		time.Sleep(20 * time.Millisecond)
+	}
+	require.GreaterOrEqual(t, counter(t, reg, "baton_relay_publish_switches_total", "events"), 1.0, "the trickle after the burst left batches")
+}
