@@ -107,21 +107,14 @@ func (p *pipeline) route(ev *pendingEvent) {
 	switch p.mode {
 	case publishSingle:
 		p.publishOne(ev)
-		if p.batched && p.outstanding() >= p.batchEnter {
-			p.mode = publishEntering
-			p.enterBatches()
-		}
+		p.enterWhenBehind()
 	case publishBatches:
 		if !p.wasCaughtUp || time.Since(p.entered) < batchMinDwell {
 			p.publishDeferred(ev)
 			return
 		}
 		p.leaveBatches()
-		if p.mode == publishSingle {
-			p.publishOne(ev)
-			return
-		}
-		p.hold(ev)
+		p.route(ev) // held, or event by event when the leave ended at once
 	default:
 		p.hold(ev)
 	}
@@ -189,6 +182,19 @@ func (p *pipeline) leftBatches() {
 	p.m.switches.WithLabelValues("events").Inc()
 	for _, ev := range held {
 		p.publishOne(ev)
+	}
+	// What arrived during the leave may be a backlog (the reader fills the window meanwhile):
+	// left one by one, a busy conversation's would go out one round trip at a time until the
+	// reader adds its next event, and the reader waits for room, an eighth of the window away.
+	p.enterWhenBehind()
+}
+
+// enterWhenBehind starts the switch into batches when, event by event, batchEnter events are
+// outstanding. mu is held.
+func (p *pipeline) enterWhenBehind() {
+	if p.mode == publishSingle && p.batched && p.outstanding() >= p.batchEnter {
+		p.mode = publishEntering
+		p.enterBatches()
 	}
 }
 

@@ -45,6 +45,10 @@ type item struct {
 	// says why, for the log.
 	deadLetter string
 	reason     string
+	// answer says a keepalive answers one of the relay's status updates (each asks for a
+	// reply): the walsender sends those at once, caught up or not, so they say nothing about
+	// whether the relay is behind (see caughtUp).
+	answer bool
 }
 
 // decoder turns pgoutput messages (protocol version 1) into items. It is pure: no I/O. No

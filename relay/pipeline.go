@@ -482,7 +482,9 @@ func (p *pipeline) handle(it item) error {
 		p.cur = nil
 		p.advance()
 	case itemKeepalive:
-		p.caughtUp(time.Now())
+		if !it.answer {
+			p.caughtUp(time.Now())
+		}
 		// Only between transactions; inside one, the WAL end may lie past events not yet sent.
 		if p.cur == nil {
 			if len(p.txs) == 0 {

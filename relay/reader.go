@@ -35,6 +35,7 @@ type reader struct {
 	confirmed *atomic.Uint64 // what the pipeline made safe to confirm, reported in status updates
 
 	live       liveness  // whether the walsender answered the status updates
+	answersDue int       // status updates sent whose answer (a keepalive) has not arrived
 	nextStatus time.Time // when the next status update is due; reads wait until then
 }
 
@@ -156,6 +157,10 @@ func (rd *reader) handleCopyData(ctx, gctx context.Context, data []byte) error {
 	case itemNone:
 		return nil
 	case itemKeepalive:
+		if rd.answersDue > 0 {
+			rd.answersDue--
+			it.answer = true
+		}
 		if c := rd.confirmed.Load(); uint64(it.lsn) > c {
 			rd.m.slotLagBytes.Set(float64(uint64(it.lsn) - c))
 		}
@@ -234,6 +239,7 @@ func (rd *reader) sendStatus(ctx context.Context) error {
 		return fmt.Errorf("send standby status at %s: %w", lsn, err)
 	}
 	rd.live.requested(now)
+	rd.answersDue++
 	return nil
 }
 
