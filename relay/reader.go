@@ -157,8 +157,13 @@ func (rd *reader) handleCopyData(ctx, gctx context.Context, data []byte) error {
 	case itemNone:
 		return nil
 	case itemKeepalive:
-		if rd.answersDue > 0 {
+		switch {
+		case rd.answersDue > 0:
 			rd.answersDue--
+			it.answer = true
+		case cd.replyRequested:
+			// The walsender's own ping (nothing heard from the relay for half of
+			// wal_sender_timeout): sent caught up or not, so no sign of either.
 			it.answer = true
 		}
 		if c := rd.confirmed.Load(); uint64(it.lsn) > c {
@@ -229,6 +234,7 @@ func (rd *reader) statusDue(ctx context.Context) error {
 // what the server treats as confirmed. Every update asks for a reply, the walsender's
 // keepalive, which proves the stream alive (see liveness).
 func (rd *reader) sendStatus(ctx context.Context) error {
+	rd.p.flushOut() // the write may block: queued events go to the sender first
 	lsn := pglogrepl.LSN(rd.confirmed.Load())
 	now := time.Now()
 	err := pglogrepl.SendStandbyStatusUpdate(ctx, rd.repl, pglogrepl.StandbyStatusUpdate{
