@@ -98,21 +98,28 @@ func (s *store) finishMany(ctx context.Context, reqs []finishReq) ([]error, erro
 	}
 	// Apart, and several at a time: a run whose conversation row another transaction holds
 	// waits out its lock_timeout without holding up the others.
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, isolateConcurrency)
-	for i, r := range reqs {
-		sem <- struct{}{}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			errs[i] = s.finishOne(ctx, r)
-		})
-	}
-	wg.Wait()
+	apart(len(reqs), func(i int) { errs[i] = s.finishOne(ctx, reqs[i]) })
 	return errs, nil
 }
 
-// isolateConcurrency is how many runs of a failed shared final commit are redone at once.
+// isolateConcurrency is how many requests of a failed shared statement (final commits, tool
+// records) are redone at once.
 const isolateConcurrency = 8
+
+// apart runs do(i) for each of n requests, isolateConcurrency at a time, and returns when all
+// returned: a failed shared statement's requests redone one by one.
+func apart(n int, do func(i int)) {
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, isolateConcurrency)
+	for i := range n {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			do(i)
+		})
+	}
+	wg.Wait()
+}
 
 // runFailed reports whether err is about one run of a final commit rather than the commit.
 func runFailed(err error) bool {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -102,16 +101,7 @@ func (s *store) recordMany(ctx context.Context, reqs []recordReq) ([]recorded, e
 	if transient(err) || ctx.Err() != nil {
 		return nil, fmt.Errorf("record %d operations: %w", len(reqs), err)
 	}
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, isolateConcurrency)
-	for i, r := range reqs {
-		sem <- struct{}{}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			out[i].id, out[i].err = s.recordOperation(ctx, r)
-		})
-	}
-	wg.Wait()
+	apart(len(reqs), func(i int) { out[i].id, out[i].err = s.recordOperation(ctx, reqs[i]) })
 	return out, nil
 }
 

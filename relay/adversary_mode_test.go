@@ -36,22 +36,7 @@ END $$`, n, tag, conv))
 
 // createSlot runs an in-process relay until it streams, then stops it: what is committed next
 // comes through the slot, not the first start's backfill.
-func createSlot(t *testing.T, b *bundle) {
-	t.Helper()
-	r, err := relay.New(b.cfg)
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	require.Eventually(t, r.Active, time.Minute, 5*time.Millisecond, "relay never became active")
-	cancel()
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("relay did not stop")
-	}
-}
+func createSlot(t *testing.T, b *bundle) { runAWhile(t, b, 0) }
 
 // runAWhile runs an in-process relay until it streams and for d more, then stops it gracefully
 // and requires that it stopped without an error.
@@ -59,19 +44,7 @@ func runAWhile(t *testing.T, b *bundle, d time.Duration) {
 	t.Helper()
 	r, err := relay.New(b.cfg)
 	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	require.Eventually(t, r.Active, time.Minute, 5*time.Millisecond, "relay never became active")
-	time.Sleep(d)
-	cancel()
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("relay did not stop within 30s of a graceful stop")
-	}
+	runActiveFor(t, r, d)
 }
 
 // The pipeline leaves batches on a walsender keepalive, taken as "it sent all the WAL it knew

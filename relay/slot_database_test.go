@@ -14,7 +14,11 @@ import (
 )
 
 // runUntilActive runs r until it streams, then stops it and checks that Run returned nil.
-func runUntilActive(t *testing.T, r *relay.Relay) {
+func runUntilActive(t *testing.T, r *relay.Relay) { runActiveFor(t, r, 0) }
+
+// runActiveFor runs r until it streams and for d more, then stops it gracefully and checks
+// that Run returned nil.
+func runActiveFor(t *testing.T, r *relay.Relay, d time.Duration) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -30,6 +34,7 @@ func runUntilActive(t *testing.T, r *relay.Relay) {
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
+	time.Sleep(d)
 	cancel()
 	select {
 	case err := <-done:
