@@ -2,7 +2,6 @@ package relay_test
 
 import (
 	"context"
-	"fmt"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -14,15 +13,7 @@ import (
 // (no round trip per transaction): a backlog of one hot conversation, in id order.
 func hotBacklog(t *testing.T, b *bundle, conv string, n int) {
 	t.Helper()
-	_, err := b.db.Pool.Exec(context.Background(), fmt.Sprintf(`DO $$
-BEGIN
-	FOR k IN 1..%d LOOP
-		INSERT INTO messages (id, conversation_id, role, content) VALUES ('hot-' || k, '%s', 'user', 'hello');
-		INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('%[2]s', 'hot-' || k);
-		COMMIT;
-	END LOOP;
-END $$`, n, conv))
-	require.NoError(t, err)
+	require.NoError(t, advBurst(context.Background(), b.db.Pool, conv, "hot", n))
 }
 
 // One conversation's backlog, relayed by a relay process killed again and again in the middle
