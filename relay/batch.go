@@ -70,6 +70,9 @@ const (
 	// rate the relay keeps up with (at 10,000 events/s and a 1 ms round trip, 10 are), at
 	// once when catching up or behind a busy conversation.
 	batchEnterOutstanding = 256
+	// batchBurstSpan: batchEnterOutstanding events arriving within it (10,000 a second or
+	// more) are a backlog (see enterWhenBehind).
+	batchBurstSpan = 25 * time.Millisecond
 	// batchMinDwell is the shortest stay in batches: a relay at the edge of what it keeps up
 	// with event by event switches at most some times a second, each switch costing a round
 	// trip or two of held events.
@@ -190,12 +193,26 @@ func (p *pipeline) leftBatches() {
 }
 
 // enterWhenBehind starts the switch into batches when, event by event, batchEnter events are
-// outstanding. mu is held.
+// outstanding because the relay is behind: the last batchEnter events arrived within
+// batchBurstSpan (a backlog read at full speed), or a quarter of them wait behind an earlier
+// event of their subject (a busy conversation). A stall of the server at a steady rate also
+// leaves events outstanding, but batches would not help there, and would cost the steady
+// rate's latency until the relay leaves them again. mu is held.
 func (p *pipeline) enterWhenBehind() {
-	if p.mode == publishSingle && p.batched && p.outstanding() >= p.batchEnter {
+	if p.mode != publishSingle || !p.batched || p.outstanding() < p.batchEnter {
+		return
+	}
+	first := p.arrivals[(p.arrived-uint64(p.batchEnter)+1)%batchEnterOutstanding]
+	if p.queued >= max(1, p.batchEnter/4) || time.Since(first) < batchBurstSpan {
 		p.mode = publishEntering
 		p.enterBatches()
 	}
+}
+
+// arrive records when event n arrived: enterWhenBehind looks batchEnter events back. mu is
+// held.
+func (p *pipeline) arrive(n uint64, now time.Time) {
+	p.arrivals[n%batchEnterOutstanding] = now
 }
 
 // The operations of a fast-ingest batch message, as its reply subject says.

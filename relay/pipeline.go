@@ -77,11 +77,12 @@ type pipeline struct {
 	byID     map[uint64]*pendingEvent // published events by id, until their PubAck
 	out      []*pendingEvent          // published, for the sender to send, in order
 	nextID   uint64
-	lanes    [laneCount]lane // when batched: each stream's batch
-	mode     publishMode     // how events are published now (see batch.go)
-	held     []*pendingEvent // arrived while the mode changes, in order (counted in queued)
-	arrived  uint64          // events handled: each event's number, for order across modes
-	entered  time.Time       // when the pipeline last went into batches
+	lanes    [laneCount]lane                  // when batched: each stream's batch
+	mode     publishMode                      // how events are published now (see batch.go)
+	held     []*pendingEvent                  // arrived while the mode changes, in order (counted in queued)
+	arrived  uint64                           // events handled: each event's number, for order across modes
+	arrivals [batchEnterOutstanding]time.Time // when the last events arrived (see arrive)
+	entered  time.Time                        // when the pipeline last went into batches
 	// wasCaughtUp says a keepalive came less than batchMinDwell after entering batches.
 	wasCaughtUp bool
 	txs         []*txEntry // FIFO of transactions not yet confirmed
@@ -500,6 +501,7 @@ func (p *pipeline) handle(it item) error {
 		}
 		tx.pending++
 		p.arrived++
+		p.arrive(p.arrived, time.Now())
 		ev := &pendingEvent{msg: it.msg, tx: tx, outcome: it.outcome, omitted: it.omitted, deadLetter: it.deadLetter,
 			size: eventSize(it.msg), lane: laneOf(it.outcome, it.deadLetter), n: p.arrived}
 		p.bytes += ev.size

@@ -269,3 +269,21 @@ func TestSwitchingModesKeepsOrderAndStoresOnce(t *testing.T) {
 	require.GreaterOrEqual(t, counterValue(t, p.m.switches.WithLabelValues("batches")), 3.0, "each burst went in batches")
 	require.GreaterOrEqual(t, counterValue(t, p.m.switches.WithLabelValues("events")), 3.0, "each trickle went event by event")
 }
+
+// Events left outstanding by a stalled server at a steady rate do not turn the pipeline to
+// batches, which would not help there; a busy conversation's events queued behind each other
+// do, whatever the rate.
+func TestStallAtASteadyRateStaysEventByEvent(t *testing.T) {
+	f := newModeFake(t, 4)
+	f.step(t, begin())
+	long := time.Now().Add(-time.Second)
+	for i := range 4 {
+		e, _ := named("conv.c" + strconv.Itoa(i))
+		f.step(t, e)
+		f.arrivals[f.arrived%batchEnterOutstanding] = long.Add(time.Duration(i) * 100 * time.Millisecond) // a steady rate
+	}
+	require.Equal(t, publishSingle, f.mode, "4 outstanding, arrived over 300 ms")
+	again, _ := named("conv.c0") // queued behind conv.c0's first event
+	f.step(t, again)
+	require.Equal(t, publishEntering, f.mode, "an event waits behind its subject's")
+}
