@@ -202,7 +202,8 @@ func (p *pipeline) enterWhenBehind() {
 	if p.mode != publishSingle || !p.batched || p.outstanding() < p.batchEnter {
 		return
 	}
-	first := p.arrivals[(p.arrived-uint64(p.batchEnter)+1)%batchEnterOutstanding]
+	back := uint64(p.batchEnter) //nolint:gosec // G115: batchEnter is 1 to batchEnterOutstanding
+	first := p.arrivals[(p.arrived-back+1)%batchEnterOutstanding]
 	if p.queued >= max(1, p.batchEnter/4) || time.Since(first) < batchBurstSpan {
 		p.mode = publishEntering
 		p.enterBatches()
