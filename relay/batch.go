@@ -146,8 +146,7 @@ func (p *pipeline) enterBatches() {
 	p.queued -= len(evs)
 	p.mode = publishBatches
 	p.entered, p.wasCaughtUp = time.Now(), false
-	p.m.batching.Set(1)
-	p.behind.Store(true)
+	p.setBatching(true)
 	p.m.switches.WithLabelValues("batches").Inc()
 	for _, ev := range evs {
 		p.publish(ev)
@@ -158,10 +157,7 @@ func (p *pipeline) enterBatches() {
 // nothing queued is for it, and events arriving meanwhile are held. mu is held.
 func (p *pipeline) leaveBatches() {
 	p.mode = publishLeaving
-	select {
-	case p.laneKick <- struct{}{}:
-	default:
-	}
+	signal(p.laneKick)
 	p.leftBatches()
 }
 
@@ -180,8 +176,7 @@ func (p *pipeline) leftBatches() {
 	p.held = nil
 	p.queued -= len(held)
 	p.mode = publishSingle
-	p.m.batching.Set(0)
-	p.behind.Store(false)
+	p.setBatching(false)
 	p.m.switches.WithLabelValues("events").Inc()
 	for _, ev := range held {
 		p.publishOne(ev)
@@ -207,6 +202,17 @@ func (p *pipeline) enterWhenBehind() {
 	if p.queued >= max(1, p.batchEnter/4) || time.Since(first) < batchBurstSpan {
 		p.mode = publishEntering
 		p.enterBatches()
+	}
+}
+
+// setBatching says whether the pipeline publishes in batches now: to the reader, which then
+// reads in bulk (see bulkLittle), and in baton_relay_publishing_batches.
+func (p *pipeline) setBatching(on bool) {
+	p.behind.Store(on)
+	if on {
+		p.m.batching.Set(1)
+	} else {
+		p.m.batching.Set(0)
 	}
 }
 
@@ -490,10 +496,7 @@ func (p *pipeline) batchAck(a ackResult) error {
 		}
 		p.ackBatched(l, min(r.acked, l.seq))
 	}
-	select {
-	case p.laneKick <- struct{}{}:
-	default:
-	}
+	signal(p.laneKick)
 	return nil
 }
 

@@ -170,8 +170,7 @@ func newPipeline(cfg *Config, m *metrics, confirmed *atomic.Uint64, open openSen
 	}
 	if batched && cfg.alwaysBatches {
 		p.alwaysBatches, p.mode = true, publishBatches
-		p.behind.Store(true)
-		m.batching.Set(1)
+		p.setBatching(true)
 	}
 	return p
 }
@@ -196,7 +195,7 @@ func (p *pipeline) run(abort, graceful <-chan struct{}, drainTimeout time.Durati
 		p.halted.Store(true)
 		p.mu.Unlock()
 		close(p.done)
-		p.m.batching.Set(0)
+		p.setBatching(false)
 		p.m.inFlight.Set(0)
 		p.m.inFlightBytes.Set(0)
 	}()
@@ -416,10 +415,7 @@ func (p *pipeline) reply(a ackResult) {
 	}
 	if p.full && p.outstanding() <= p.lowWater && p.bytes <= p.lowBytes {
 		p.full = false
-		select {
-		case p.room <- struct{}{}:
-		default:
-		}
+		signal(p.room)
 	}
 	p.checkIdle()
 }
@@ -537,6 +533,14 @@ func (p *pipeline) publishDeferred(ev *pendingEvent) {
 	p.unkicked.Store(true)
 }
 
+// signal wakes whoever waits on ch (cap 1) without blocking: a signal already pending covers it.
+func signal(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
+}
+
 // sendEager is how many events publishDeferred queues before it wakes the sender anyway.
 const sendEager = 256
 
@@ -544,10 +548,7 @@ const sendEager = 256
 // anything that may block: a socket read, a wait for room. Safe from any goroutine.
 func (p *pipeline) flushOut() {
 	if p.unkicked.Swap(false) {
-		select {
-		case p.kick <- struct{}{}:
-		default:
-		}
+		signal(p.kick)
 	}
 }
 
@@ -556,10 +557,7 @@ func (p *pipeline) flushOut() {
 func (p *pipeline) publish(ev *pendingEvent) {
 	p.queue(ev)
 	if len(p.out) == 1 || p.unkicked.Swap(false) {
-		select {
-		case p.kick <- struct{}{}:
-		default:
-		}
+		signal(p.kick)
 	}
 }
 
