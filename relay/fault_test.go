@@ -64,6 +64,18 @@ func (b *bundle) startProcess(t *testing.T) *relayProcess {
 	return p
 }
 
+// awaitStreaming waits, a minute at most, until the process logs that it streams.
+func (p *relayProcess) awaitStreaming(t *testing.T) {
+	t.Helper()
+	select {
+	case <-p.streaming:
+	case <-p.exited:
+		t.Fatal("relay process exited before it streamed")
+	case <-time.After(time.Minute):
+		t.Fatal("relay process never streamed")
+	}
+}
+
 func (p *relayProcess) kill(t *testing.T) {
 	_ = p.cmd.Process.Kill()
 	select {
@@ -141,11 +153,7 @@ func TestKillLoopLosesAndDoublesNothing(t *testing.T) {
 	kills := 0
 	for kills < 12 {
 		p := b.startProcess(t)
-		select {
-		case <-p.streaming:
-		case <-time.After(time.Minute):
-			t.Fatal("relay process never streamed")
-		}
+		p.awaitStreaming(t)
 		time.Sleep(time.Duration(50+rand.IntN(400)) * time.Millisecond) // a random moment of the load
 		p.kill(t)
 		kills++

@@ -39,13 +39,7 @@ func TestPoisonRun(t *testing.T) {
 	}
 
 	p := b.startProcess(t)
-	select {
-	case <-p.streaming:
-	case <-p.exited:
-		t.Fatal("relay process exited before it streamed")
-	case <-time.After(time.Minute):
-		t.Fatal("relay process never streamed")
-	}
+	p.awaitStreaming(t)
 	walsender := activePID(ctx, t, b)
 	var err error
 

@@ -70,11 +70,7 @@ func TestLargeTransactionWithBoundedMemory(t *testing.T) {
 	convs := conversationIDs(100)
 	createConversations(t, b.db.Pool, convs...)
 	p := b.startProcess(t)
-	select {
-	case <-p.streaming:
-	case <-time.After(time.Minute):
-		t.Fatal("relay process never streamed")
-	}
+	p.awaitStreaming(t)
 	// One transaction of 100k outbox rows, each with a 1 KiB user message.
 	_, err := b.db.Pool.Exec(ctx, `WITH m AS (
 			INSERT INTO messages (id, conversation_id, role, content)
