@@ -609,6 +609,46 @@ func TestRolesMigrator(t *testing.T) {
 	require.False(t, replication)
 }
 
+// TestRolesMigratorUpgrades: on a schema roles.sql was applied to (owned by the migrator,
+// row-level security on messages), the migrator applies a new version, here version 7, and
+// roles.sql then grants as before.
+func TestRolesMigratorUpgrades(t *testing.T) {
+	t.Parallel()
+	db, rs := setupRoles(t)
+	ctx := context.Background()
+	want := privilegeState(t, db.Pool)
+	// Back to version 6, as the admin.
+	_, err := db.Pool.Exec(ctx, `
+		ALTER TABLE agent_outbox DROP CONSTRAINT agent_outbox_message_conversation_fkey;
+		ALTER TABLE messages DROP CONSTRAINT messages_conversation_id_id_key;
+		ALTER TABLE agent_outbox ADD CONSTRAINT agent_outbox_message_id_fkey
+			FOREIGN KEY (message_id) REFERENCES messages (id) ON DELETE CASCADE;
+		DELETE FROM baton_schema_migrations WHERE version = 7`)
+	require.NoError(t, err)
+	p := newProducer(t)
+	app := rs.pool(t, roleApp)
+	_, err = p.CreateConversation(ctx, app, "conv-1")
+	require.NoError(t, err)
+	_, err = p.Send(ctx, app, producer.Message{ConversationID: "conv-1", ID: "m1", Content: "hello"})
+	require.NoError(t, err)
+
+	conn, err := pgx.Connect(ctx, rs.url(t, roleMigrator))
+	require.NoError(t, err)
+	applied, err := migrations.Up(ctx, conn)
+	require.NoError(t, conn.Close(ctx))
+	require.NoError(t, err)
+	require.Equal(t, []int{7}, applied)
+	rs.apply(t)
+	require.Equal(t, want, privilegeState(t, db.Pool))
+
+	_, err = p.CreateConversation(ctx, app, "conv-2")
+	require.NoError(t, err)
+	_, err = app.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('m2', 'conv-1', 'user', 'x')`)
+	require.NoError(t, err)
+	_, err = app.Exec(ctx, `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('conv-2', 'm2')`)
+	requireConversationMismatch(t, err, "after the upgrade")
+}
+
 // TestRolesConverge: roles.sql resets what it manages, so running it again undoes privileges
 // and policies changed by hand since (or granted by an older roles.sql).
 func TestRolesConverge(t *testing.T) {
