@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"net/url"
 	"os"
 	"os/exec"
@@ -81,11 +83,7 @@ func startSecretServers(t *testing.T) *secretServers {
 	s.natsPW = startAuthNATS(t, &server.Options{Username: "app", Password: goodPW})
 	s.natsToken = startAuthNATS(t, &server.Options{Authorization: goodToken})
 
-	var lc net.ListenConfig
-	l, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	s.closed = l.Addr().String()
-	require.NoError(t, l.Close())
+	s.closed = freeAddr(t)
 	return s
 }
 
@@ -133,6 +131,9 @@ type program struct {
 	// URLs and is stopped with SIGTERM (relays and workers retry a server that is away for
 	// ever, by design). Without it the program must exit on its own.
 	until string
+	// metricsAddr, when set, is the program's BATON_METRICS_ADDR: once until shows, what it
+	// serves there (/metrics, /healthz, /readyz) counts as output too.
+	metricsAddr string
 }
 
 // runLimit bounds each run: a program given bad credentials or an unreachable server must
@@ -140,14 +141,18 @@ type program struct {
 const runLimit = 45 * time.Second
 
 // runProgram runs p and returns everything it wrote to stdout and stderr. It fails the test
-// when p neither exited nor printed p.until within runLimit.
+// (with t.Errorf: it runs in goroutines of the test) when p neither exited nor printed p.until
+// within runLimit.
 func runProgram(t *testing.T, p program) string {
 	t.Helper()
 	cmd := exec.Command(p.bin, p.args...) // stopped by signals below, SIGTERM first
 	cmd.Env = append(testEnv(), p.env...)
 	var out lockedBuffer
 	cmd.Stdout, cmd.Stderr = &out, &out
-	require.NoError(t, cmd.Start())
+	if err := cmd.Start(); err != nil { // in a goroutine of the test: no FailNow
+		t.Errorf("%s: %v", p.name, err)
+		return ""
+	}
 	exited := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(exited) }()
 	stop := func() {
@@ -169,8 +174,9 @@ func runProgram(t *testing.T, p program) string {
 			return out.String()
 		case <-tick.C:
 			if p.until != "" && strings.Contains(out.String(), p.until) {
+				served := scrape(t, p)
 				stop()
-				return out.String()
+				return out.String() + served
 			}
 		case <-deadline:
 			stop()
@@ -179,6 +185,56 @@ func runProgram(t *testing.T, p program) string {
 			return out.String()
 		}
 	}
+}
+
+// scrape returns what p serves on its metrics address, or "" when it has none. The listener
+// may come up just after the output p awaited: each path is tried for up to 10s. It runs
+// outside the test's goroutine, so it reports with t.Errorf.
+func scrape(t *testing.T, p program) string {
+	t.Helper()
+	if p.metricsAddr == "" {
+		return ""
+	}
+	var served strings.Builder
+	client := &http.Client{Timeout: 5 * time.Second}
+	get := func(path string) ([]byte, error) {
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+p.metricsAddr+path, nil)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			return nil, err
+		}
+		defer func() { _ = resp.Body.Close() }()
+		return io.ReadAll(resp.Body)
+	}
+	for _, path := range []string{"/metrics", "/healthz", "/readyz"} {
+		deadline := time.Now().Add(10 * time.Second)
+		body, err := get(path)
+		for ; err != nil && time.Now().Before(deadline); body, err = get(path) {
+			time.Sleep(20 * time.Millisecond) // the listener is not up yet
+		}
+		if err != nil {
+			t.Errorf("%s: GET %s: %v", p.name, path, err)
+		}
+		served.Write(body)
+	}
+	if !strings.Contains(served.String(), "# TYPE") {
+		t.Errorf("%s: %s/metrics served no metrics", p.name, p.metricsAddr)
+	}
+	return served.String()
+}
+
+// freeAddr returns a 127.0.0.1 address nothing listens on.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	var lc net.ListenConfig
+	l, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := l.Addr().String()
+	require.NoError(t, l.Close())
+	return addr
 }
 
 // testEnv is this process's environment without BATON_* (the tests set what they use) and
@@ -213,7 +269,8 @@ func (l *lockedBuffer) String() string {
 // Passwords and tokens in database and NATS URLs, in every form a URL may take (with and
 // without a scheme, percent-encoded, key=value, in the query), never reach what any program
 // of this module prints: logs, errors, `baton status` text and JSON, the usage of bench and
-// demo, whether the server is away, refuses the credentials or accepts them.
+// demo, what the relay and the worker serve as metrics, whether the server is away, refuses
+// the credentials or accepts them.
 func TestSecretsNeverReachOutput(t *testing.T) {
 	t.Parallel()
 	s := startSecretServers(t)
@@ -289,12 +346,15 @@ func TestSecretsNeverReachOutput(t *testing.T) {
 	} {
 		env := []string{"BATON_DATABASE_URL=" + u.db, "BATON_NATS_URL=" + u.nats, "BATON_LOG_LEVEL=debug", "BATON_SLOT=secrets_" + strconv.Itoa(len(runs))}
 		name := "accepted " + u.name + ": "
+		relayMetrics, workerMetrics := freeAddr(t), freeAddr(t)
 		runs = append(runs,
 			program{name: name + "migrate", bin: baton, args: []string{"migrate"}, env: env},
 			program{name: name + "status", bin: baton, args: []string{"status"}, env: env},
 			program{name: name + "status --json", bin: baton, args: []string{"status", "--json"}, env: env},
-			program{name: name + "relay", bin: baton, args: []string{"relay"}, env: env, until: "msg=streaming"},
-			program{name: name + "echoagent", bin: echoagent, env: env, until: "echoagent started"},
+			program{name: name + "relay", bin: baton, args: []string{"relay"}, env: append(env, "BATON_METRICS_ADDR="+relayMetrics),
+				until: "msg=streaming", metricsAddr: relayMetrics},
+			program{name: name + "echoagent", bin: echoagent, env: append(env, "BATON_METRICS_ADDR="+workerMetrics),
+				until: "echoagent started", metricsAddr: workerMetrics},
 			program{name: name + "subscriber", bin: subscriber, args: []string{"--durable", "secrets" + strconv.Itoa(len(runs))}, env: env,
 				until: "outcomes"},
 		)
