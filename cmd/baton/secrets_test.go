@@ -290,6 +290,10 @@ func TestSecretsNeverReachOutput(t *testing.T) {
 			{"no scheme", "app:" + wrongPW + "@" + hostport + "/appdb", wrongPW},
 			{"key=value quoted", "host=" + host + " port=" + port + " user=app dbname=appdb sslmode=disable password='" + wrongPW + "'", wrongPW},
 			{"key=value token==", "host=" + host + " port=" + port + " user=app dbname=appdb sslmode=disable password=" + wrongTok, wrongTok},
+			// Accepted by the configuration's checks, refused by the driver's parser, whose
+			// errors quote the string.
+			{"url the driver refuses", "postgres://app:" + wrongPW + "@" + hostport + "/appdb?sslmode=bogus", wrongPW},
+			{"key=value the driver refuses", "host=" + host + " port=" + port + " sslmode=bogus password='" + wrongPW + "'", wrongPW},
 		}
 	}
 	natsURLs := func(pwHost, tokenHost string) []struct{ name, url, secret string } {

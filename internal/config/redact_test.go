@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 
@@ -144,4 +146,19 @@ func TestConfigFormatsHideSecrets(t *testing.T) {
 			require.Contains(t, out, mask)
 		}
 	}
+}
+
+// A Config that reaches a panic is printed through its String method: redacted. The test
+// runs itself in a child process that panics.
+func TestPanicWithConfigHidesSecrets(t *testing.T) {
+	if os.Getenv("BATON_TEST_PANIC_WITH_CONFIG") == "1" {
+		panic(Config{DatabaseURL: "postgres://u:pa=s3cret@db/x", NATSURL: "t0ken==s3cret@n:4222"})
+	}
+	cmd := exec.CommandContext(t.Context(), os.Args[0], "-test.run=^TestPanicWithConfigHidesSecrets$")
+	cmd.Env = append(os.Environ(), "BATON_TEST_PANIC_WITH_CONFIG=1")
+	out, err := cmd.CombinedOutput()
+	require.Error(t, err, "the child panics")
+	require.Contains(t, string(out), "panic: ")
+	require.Contains(t, string(out), "postgres://u:xxxxx@db/x")
+	require.NotContains(t, string(out), "s3cret")
 }
