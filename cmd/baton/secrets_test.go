@@ -292,6 +292,7 @@ func TestSecretsNeverReachOutput(t *testing.T) {
 			{"key=value token==", "host=" + host + " port=" + port + " user=app dbname=appdb sslmode=disable password=" + wrongTok, wrongTok},
 			// Accepted by the configuration's checks, refused by the driver's parser, whose
 			// errors quote the string.
+			{"url invalid escape", "postgres://app:" + wrongPW + "%zz@" + hostport + "/appdb?sslmode=disable", wrongPW},
 			{"url the driver refuses", "postgres://app:" + wrongPW + "@" + hostport + "/appdb?sslmode=bogus", wrongPW},
 			{"key=value the driver refuses", "host=" + host + " port=" + port + " sslmode=bogus password='" + wrongPW + "'", wrongPW},
 		}
@@ -304,6 +305,8 @@ func TestSecretsNeverReachOutput(t *testing.T) {
 			{"nats no scheme user:pa=ss", "app:" + wrongPW + "@" + pwHost, wrongPW},
 			{"nats no scheme token==", wrongTok + "@" + tokenHost, wrongTok},
 			{"nats list", "nats://" + s.closed + ",app:" + wrongPW + "@" + pwHost, wrongPW},
+			{"nats invalid escape", "nats://app:" + wrongPW + "%zz@" + pwHost, wrongPW},
+			{"nats password with a space", "nats://app:" + wrongPW + " x@" + pwHost, wrongPW},
 		}
 	}
 	pgEnv := []string{"PGHOST=127.0.0.1", "PGPORT=" + strconv.Itoa(s.pgPort), "PGUSER=postgres"}

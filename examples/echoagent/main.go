@@ -31,6 +31,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"strings"
@@ -146,6 +147,10 @@ func run(ctx context.Context) error {
 		}
 		nc, err := nats.Connect(cfg.NATSURL, nats.Name("echoagent"), nats.MaxReconnects(-1))
 		if err != nil {
+			var urlErr *url.Error // it quotes the URL, password included: keep only its reason
+			if errors.As(err, &urlErr) {
+				err = urlErr.Err
+			}
 			return fmt.Errorf("connect to NATS: %w", err)
 		}
 		defer nc.Close()
