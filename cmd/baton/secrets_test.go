@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -31,7 +32,7 @@ import (
 // from other output, so that a piece leaking on its own is caught too.
 const (
 	goodPW    = "G00dPw=Corr3ct=="   // the password of role app and of NATS user app
-	goodToken = "G00dT0ken=Accepted" // the token of the token NATS server
+	goodToken = "G00dT0ken=Acc3pted" // the token of the token NATS server
 	wrongPW   = "Wr0ngPw=Refus3d"    // a password the servers refuse
 	wrongTok  = "Wr0ngT0k=="         // a token the server refuses
 	oddPW     = "Odd@Pw:w/th%sl=sh"  // needs percent-encoding in a URL
@@ -319,7 +320,7 @@ func TestSecretsNeverReachOutput(t *testing.T) {
 		{"refuses", pgHost, "127.0.0.1", strconv.Itoa(s.pgPort)},
 	} {
 		for _, u := range pgURLs(server.hostport, server.host, server.port) {
-			env := append([]string{"BATON_DATABASE_URL=" + u.url, "BATON_NATS_URL=" + s.plainNATS, "BATON_LOG_LEVEL=debug"}, pgEnv...)
+			env := slices.Concat([]string{"BATON_DATABASE_URL=" + u.url, "BATON_NATS_URL=" + s.plainNATS, "BATON_LOG_LEVEL=debug"}, pgEnv)
 			name := "postgres " + server.name + " " + u.name + ": "
 			runs = append(runs, batonRuns(name, baton, env, "reconnecting")...)
 			runs = append(runs,
@@ -358,10 +359,13 @@ func TestSecretsNeverReachOutput(t *testing.T) {
 			program{name: name + "migrate", bin: baton, args: []string{"migrate"}, env: env},
 			program{name: name + "status", bin: baton, args: []string{"status"}, env: env},
 			program{name: name + "status --json", bin: baton, args: []string{"status", "--json"}, env: env},
-			program{name: name + "relay", bin: baton, args: []string{"relay"}, env: append(env, "BATON_METRICS_ADDR="+relayMetrics),
+			program{name: name + "relay", bin: baton, args: []string{"relay"}, env: slices.Concat(env, []string{"BATON_METRICS_ADDR=" + relayMetrics}),
 				until: "msg=streaming", metricsAddr: relayMetrics},
-			program{name: name + "echoagent", bin: echoagent, env: append(env, "BATON_METRICS_ADDR="+workerMetrics),
+			program{name: name + "echoagent", bin: echoagent, env: slices.Concat(env, []string{"BATON_METRICS_ADDR=" + workerMetrics}),
 				until: "echoagent started", metricsAddr: workerMetrics},
+			// The last BATON_SLOT wins: the demo's relay has a slot of its own.
+			program{name: name + "demo", bin: baton, args: []string{"demo", "--messages", "1", "--conversations", "1"},
+				env: slices.Concat(env, []string{"BATON_SLOT=demo_" + strconv.Itoa(len(runs))})},
 			program{name: name + "subscriber", bin: subscriber, args: []string{"--durable", "secrets" + strconv.Itoa(len(runs))}, env: env,
 				until: "outcomes"},
 		)
