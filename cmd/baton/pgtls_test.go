@@ -155,6 +155,15 @@ func TestPostgresTLSVerifyFull(t *testing.T) {
 
 	out := runProgram(t, program{name: "migrate", bin: baton, args: []string{"migrate"}, env: env})
 	require.Contains(t, out, "schema at version", out)
+	// The same as key=value pairs, and by host name (the certificate names localhost too).
+	kv := "host=127.0.0.1 port=" + base.Port() + " user=app dbname=appdb password=" + tlsPassword +
+		" sslmode=verify-full sslrootcert=" + ca.CertFile
+	byName := *base
+	byName.Host = "localhost:" + base.Port()
+	for _, dsn := range []string{kv, verifyFullURL(&byName, ca.CertFile)} {
+		out := runProgram(t, program{name: "migrate", bin: baton, args: []string{"migrate"}, env: []string{"BATON_DATABASE_URL=" + dsn}})
+		require.Contains(t, out, "schema at version", "%s:\n%s", dsn, out)
+	}
 
 	relayProc := startProcess(t, "relay", baton, env, "relay")
 	relayProc.await(t, "msg=streaming")
