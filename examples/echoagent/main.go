@@ -31,8 +31,10 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -122,6 +124,11 @@ func run(ctx context.Context) error {
 		}
 	}
 
+	// user:password@host/db without postgres:// parses as key=value with the password in a key
+	// the server then quotes in its error: refuse it.
+	if key, _, _ := strings.Cut(cfg.DatabaseURL, "="); !strings.Contains(cfg.DatabaseURL, "://") && strings.ContainsAny(key, ":@/") {
+		return errors.New("BATON_DATABASE_URL must be a postgres:// URL or key=value pairs")
+	}
 	pcfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
 	if err != nil { // its text may quote the URL, password included
 		return errors.New("BATON_DATABASE_URL is not a usable PostgreSQL connection string")
@@ -140,6 +147,10 @@ func run(ctx context.Context) error {
 		}
 		nc, err := nats.Connect(cfg.NATSURL, nats.Name("echoagent"), nats.MaxReconnects(-1))
 		if err != nil {
+			var urlErr *url.Error // it quotes the URL, password included: keep only its reason
+			if errors.As(err, &urlErr) {
+				err = urlErr.Err
+			}
 			return fmt.Errorf("connect to NATS: %w", err)
 		}
 		defer nc.Close()

@@ -49,6 +49,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/url"
 	"os"
 	"os/signal"
 	"strconv"
@@ -114,6 +115,10 @@ func run(ctx context.Context) error {
 
 	nc, err := nats.Connect(natsURL, nats.Name("outcome-subscriber"), nats.MaxReconnects(-1))
 	if err != nil {
+		var urlErr *url.Error // it quotes the URL, password included: keep only its reason
+		if errors.As(err, &urlErr) {
+			err = urlErr.Err
+		}
 		return fmt.Errorf("connect to NATS: %w", err)
 	}
 	defer nc.Close()
