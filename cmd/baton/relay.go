@@ -155,18 +155,17 @@ func reportFailure(log *slog.Logger, err error, exitIn time.Duration) error {
 }
 
 // connectNATS connects with unlimited reconnects: a NATS restart must be survived, not fatal.
-// Errors and logs carry the redacted URL only.
-func connectNATS(cfg *config.Config, name string) (*nats.Conn, error) {
-	nc, err := nats.Connect(cfg.NATSURL,
+// The login and TLS settings come from cfg through natsconn; a login the server refuses ends
+// the first attempt with an error naming the servers and the settings used (never a secret),
+// and a login refused twice in a row on a reconnect closes the connection (nats.go's default,
+// see natsconn's package doc). opts come after Baton's.
+func connectNATS(cfg *config.Config, name string, opts ...nats.Option) (*nats.Conn, error) {
+	return cfg.NATS().Connect(append([]nats.Option{
 		nats.Name(name),
 		nats.FlusherTimeout(natsWriteTimeout),
 		nats.MaxReconnects(-1),
-		nats.ReconnectWait(250*time.Millisecond),
+		nats.ReconnectWait(250 * time.Millisecond),
 		nats.ReconnectJitter(100*time.Millisecond, time.Second),
 		nats.RetryOnFailedConnect(false),
-	)
-	if err != nil {
-		return nil, fmt.Errorf("connect to NATS at %s: %w", config.Redact(cfg.NATSURL), err)
-	}
-	return nc, nil
+	}, opts...)...)
 }
