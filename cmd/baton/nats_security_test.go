@@ -1,0 +1,256 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/natsconn"
+	"github.com/batonhq/baton/wire"
+)
+
+// exitWithin bounds how long a process given a login the server refuses may take to exit: a
+// refused first connection ends at once; a process still running after this retries forever.
+const exitWithin = 20 * time.Second
+
+// lockedBuffer is a bytes.Buffer safe for a process's output copier and the test.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// child is a program of this module running as a process, killed when the test ends.
+type child struct {
+	name           string
+	stdout, stderr lockedBuffer
+	exited         chan struct{}
+	state          *os.ProcessState // set before exited is closed
+}
+
+// startChild runs bin with args and, of this process's environment, only what is not BATON_*
+// plus env.
+func startChild(t *testing.T, name, bin string, env []string, args ...string) *child {
+	t.Helper()
+	c := &child{name: name, exited: make(chan struct{})}
+	cmd := exec.Command(bin, args...) //nolint:gosec // G204: a program this test built
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "BATON_") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	cmd.Env = append(cmd.Env, env...)
+	cmd.Stdout, cmd.Stderr = &c.stdout, &c.stderr
+	require.NoError(t, cmd.Start())
+	go func() {
+		_ = cmd.Wait() // the exit shows in state
+		c.state = cmd.ProcessState
+		close(c.exited)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-c.exited:
+			return
+		default:
+		}
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-c.exited:
+		case <-time.After(15 * time.Second):
+			_ = cmd.Process.Kill()
+			<-c.exited
+		}
+	})
+	return c
+}
+
+// exitCode waits for the process to exit, within exitWithin, and returns its exit code.
+func (c *child) exitCode(t *testing.T) int {
+	t.Helper()
+	select {
+	case <-c.exited:
+		return c.state.ExitCode()
+	case <-time.After(exitWithin):
+		t.Fatalf("%s still runs after %v (it retries a refused login?); stderr:\n%s", c.name, exitWithin, c.stderr.String())
+		return -1
+	}
+}
+
+// running fails the test if the process exited.
+func (c *child) running(t *testing.T) {
+	t.Helper()
+	select {
+	case <-c.exited:
+		t.Fatalf("%s exited (%v); stderr:\n%s", c.name, c.state, c.stderr.String())
+	default:
+	}
+}
+
+// Every Baton process connects to a NATS server that wants a login (user and password, token,
+// nkey, a .creds file in operator mode, TLS with client certificates from a CA of the test's)
+// given the right settings, and given wrong ones stops at once with an error that says NATS
+// refused the login (or the TLS handshake failed), names the servers and the setting, and
+// shows no secret:
+//
+//   - `baton relay` (its URLs from BATON_DATABASE_URL_FILE and BATON_NATS_URL_FILE) creates
+//     its streams through the login, and exits 1 with a refused one;
+//   - `baton status` reads those streams, and reports a refused login in its streams section;
+//   - examples/echoagent and examples/subscriber connect (the server lists them), and exit 1
+//     with a refused login.
+func TestNATSSecurityEveryProcess(t *testing.T) {
+	t.Parallel()
+	bins := map[string]string{}
+	for _, pkg := range []string{"cmd/baton", "examples/echoagent", "examples/subscriber"} {
+		bins[filepath.Base(pkg)] = testsvc.Binary(t, "github.com/batonhq/baton/"+pkg)
+	}
+	for _, auth := range testsvc.NATSAuths {
+		t.Run(string(auth), func(t *testing.T) {
+			t.Parallel()
+			n := testsvc.StartSecureNATS(t, auth)
+			db := testsvc.NewDatabase(t)
+			write := func(name, data string) string {
+				p := filepath.Join(n.Dir, name)
+				require.NoError(t, os.WriteFile(p, []byte(data+"\n"), 0o600))
+				return p
+			}
+			// The relay reads both URLs from files; the other processes from the variables.
+			relayEnv := func(s natsconn.Settings, file string) []string {
+				env := []string{
+					config.EnvDatabaseURLFile + "=" + write("database-url", db.URL),
+					config.EnvNATSURLFile + "=" + write(file, s.URL),
+					config.EnvSlot + "=" + db.Name,
+					config.EnvFatalLinger + "=0",
+				}
+				for _, kv := range s.Environ() {
+					if !strings.HasPrefix(kv, config.EnvNATSURL+"=") {
+						env = append(env, kv)
+					}
+				}
+				return env
+			}
+			env := func(s natsconn.Settings) []string {
+				return append(s.Environ(), config.EnvDatabaseURL+"="+db.URL, config.EnvSlot+"="+db.Name)
+			}
+
+			// Wrong settings: every process ends at once, saying why.
+			refused := []*child{
+				startChild(t, "relay", bins["baton"], relayEnv(n.Bad, "bad-nats-url"), "relay"),
+				startChild(t, "echoagent", bins["echoagent"], env(n.Bad)),
+				startChild(t, "subscriber", bins["subscriber"], env(n.Bad)),
+			}
+			status := startChild(t, "status", bins["baton"], env(n.Bad), "status", "--json")
+
+			// Right settings: the relay creates the streams through the login.
+			relay := startChild(t, "relay", bins["baton"], relayEnv(n.Good, "good-nats-url"), "relay")
+			nc, err := n.Good.Connect()
+			require.NoError(t, err)
+			t.Cleanup(nc.Close)
+			js, err := jetstream.New(nc)
+			require.NoError(t, err)
+			turns := wire.StreamName(wire.DefaultSubjectPrefix, wire.KindTurns)
+			require.Eventually(t, func() bool {
+				relay.running(t)
+				_, err := js.Stream(t.Context(), turns)
+				return err == nil
+			}, 30*time.Second, 20*time.Millisecond, "the relay did not create %s", turns)
+			workers := []*child{
+				startChild(t, "echoagent", bins["echoagent"], env(n.Good)),
+				startChild(t, "subscriber", bins["subscriber"], env(n.Good)),
+			}
+
+			for _, c := range refused {
+				require.Equal(t, 1, c.exitCode(t), "%s: %s", c.name, c.stderr.String())
+				requireRefusal(t, auth, n, c.name, c.stderr.String())
+			}
+			require.Equal(t, 1, status.exitCode(t), status.stderr.String())
+			var rep struct {
+				Streams struct {
+					Error string `json:"error"`
+					Turns *struct {
+						Exists bool `json:"exists"`
+					} `json:"turns"`
+				} `json:"streams"`
+			}
+			require.NoError(t, json.Unmarshal([]byte(status.stdout.String()), &rep), status.stdout.String())
+			requireRefusal(t, auth, n, "status", rep.Streams.Error)
+
+			require.Eventually(t, func() bool {
+				for _, c := range workers {
+					c.running(t)
+				}
+				return n.ClientConnected("echoagent") && n.ClientConnected("outcome-subscriber") &&
+					n.ClientConnected("baton-relay")
+			}, 30*time.Second, 20*time.Millisecond)
+
+			status = startChild(t, "status", bins["baton"], env(n.Good), "status", "--json")
+			status.exitCode(t) // 1 or 0: the slot may still be catching up; the streams are what counts
+			rep.Streams.Error, rep.Streams.Turns = "", nil
+			require.NoError(t, json.Unmarshal([]byte(status.stdout.String()), &rep), status.stdout.String())
+			require.Empty(t, rep.Streams.Error)
+			require.NotNil(t, rep.Streams.Turns)
+			require.True(t, rep.Streams.Turns.Exists, status.stdout.String())
+			relay.running(t)
+		})
+	}
+}
+
+// requireRefusal checks what a process said about wrong settings: that NATS refused the login
+// (for TLS: that the handshake failed), where, with which setting, and no secret.
+func requireRefusal(t *testing.T, auth testsvc.NATSAuth, n *testsvc.SecureNATS, who, said string) {
+	t.Helper()
+	require.Contains(t, said, natsconn.Servers(n.Bad.URL), who)
+	for _, secret := range []string{"pw-s3cret", "wrong-password", "tok-s3cret", "wrong-token"} {
+		require.NotContains(t, said, secret, who)
+	}
+	switch auth {
+	case testsvc.NATSTLS:
+		require.Contains(t, said, "tls: certificate required", who)
+		require.Contains(t, said, natsconn.EnvCert+" "+n.Bad.Cert, who)
+	default:
+		require.Contains(t, said, "refused the login ("+n.Bad.Login()+")", who)
+		require.Contains(t, strings.ToLower(said), "authorization violation", who)
+	}
+}
+
+// A setting that points nowhere stops a command before it connects anywhere, naming the
+// variable and the path.
+func TestNATSSecurityFilesCheckedAtStart(t *testing.T) {
+	t.Parallel()
+	missing := filepath.Join(t.TempDir(), "missing.creds")
+	for _, args := range [][]string{
+		{"relay", "--database-url", "postgres://127.0.0.1:1/x", "--nats-url", "nats://127.0.0.1:1", "--nats-creds", missing},
+		{"status", "--database-url", "postgres://127.0.0.1:1/x", "--nats-url", "nats://127.0.0.1:1", "--nats-creds", missing},
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), exitWithin)
+		var stdout, stderr bytes.Buffer
+		code := run(ctx, args, &stdout, &stderr)
+		require.NoError(t, ctx.Err(), "%s did not stop at once", args[0])
+		cancel()
+		require.Equal(t, 1, code, stderr.String())
+		require.Contains(t, stderr.String(), config.EnvNATSCreds+" ("+missing+"): cannot read", args[0])
+	}
+}
