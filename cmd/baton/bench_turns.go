@@ -116,7 +116,7 @@ func runBenchTurns(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	b, err := bench.NewTurns(bench.TurnsConfig{
 		DatabaseURL:     cfg.DatabaseURL,
-		NATSURL:         cfg.NATSURL,
+		NATS:            cfg.NATS(),
 		RelayCommand:    []string{relayBin, "relay"},
 		NewWorker:       benchTurnsWorker,
 		Turns:           opts.turns,
