@@ -260,3 +260,30 @@ func TestNATSSecurityFilesCheckedAtStart(t *testing.T) {
 		require.Contains(t, stderr.String(), config.EnvNATSCreds+" ("+missing+"): cannot read", args[0])
 	}
 }
+
+// A relay whose login the server starts refusing (the password changed) is disconnected,
+// refused twice on reconnecting, and then exits 1 saying NATS refused it, instead of standing
+// by forever on a connection nats.go closed for good. Everything it says on the way is in the
+// configured log format.
+func TestRelayExitsWhenItsLoginIsRefusedOnReconnect(t *testing.T) {
+	t.Parallel()
+	bin := testsvc.Binary(t, "github.com/batonhq/baton/cmd/baton")
+	n := testsvc.StartSecureNATS(t, testsvc.NATSUserPassword)
+	db := testsvc.NewDatabase(t)
+	relay := startChild(t, "relay", bin, []string{config.EnvDatabaseURL + "=" + db.URL, config.EnvNATSURL + "=" + n.Good.URL,
+		config.EnvSlot + "=" + db.Name, config.EnvFatalLinger + "=0", config.EnvLogFormat + "=json"}, "relay")
+	require.Eventually(t, func() bool {
+		relay.running(t)
+		return n.ClientConnected("baton-relay")
+	}, 30*time.Second, 20*time.Millisecond)
+
+	n.ChangePassword(t)
+	require.Equal(t, 1, relay.exitCode(t), relay.stderr.String())
+	said := relay.stderr.String()
+	require.Contains(t, said, "NATS at "+natsconn.Servers(n.Good.URL)+" closed the connection for good (user and password from the URL)")
+	require.Contains(t, strings.ToLower(said), "authorization violation")
+	require.NotContains(t, said, "pw-s3cret")
+	for line := range strings.SplitSeq(strings.TrimSpace(said), "\n") {
+		require.True(t, json.Valid([]byte(line)), "not a JSON record: %s", line)
+	}
+}

@@ -48,7 +48,8 @@ type SecureNATS struct {
 	// Dir holds the files the settings name.
 	Dir string
 
-	srv *server.Server
+	srv  *server.Server
+	opts *server.Options
 }
 
 // StartSecureNATS starts a server that requires auth, with the keys, certificates and files
@@ -125,7 +126,7 @@ func StartSecureNATS(t testing.TB, auth NATSAuth) *SecureNATS {
 	if !srv.ReadyForConnections(30 * time.Second) {
 		t.Fatalf("nats server (%s) not ready after 30s", auth)
 	}
-	n.srv = srv
+	n.srv, n.opts = srv, opts
 	hostPort := fmt.Sprintf("127.0.0.1:%d", srv.Addr().(*net.TCPAddr).Port)
 	n.Good.URL, n.Bad.URL = scheme+good+hostPort, scheme+bad+hostPort
 	return n
@@ -143,6 +144,20 @@ func (n *SecureNATS) ClientConnected(name string) bool {
 		}
 	}
 	return false
+}
+
+// ChangePassword has a NATSUserPassword server reload its configuration with another password,
+// so that it disconnects the clients logged in with the old one and refuses them from then on.
+func (n *SecureNATS) ChangePassword(t testing.TB) {
+	t.Helper()
+	if len(n.opts.Users) != 1 {
+		t.Fatal("ChangePassword: not a user and password server")
+	}
+	opts := n.opts.Clone()
+	opts.Users = []*server.User{{Username: n.opts.Users[0].Username, Password: "pw-changed"}}
+	if err := n.srv.ReloadOptions(opts); err != nil {
+		t.Fatalf("reload with another password: %v", err)
+	}
 }
 
 // operatorMode configures opts for operator (JWT) mode with a memory resolver and one account
