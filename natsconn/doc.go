@@ -37,9 +37,10 @@
 // the same login twice in a row has the connection closed for good (no
 // nats.IgnoreAuthErrorAbort), whatever nats.MaxReconnects says. A login refused again and
 // again is a configuration problem, not an outage, and retrying it forever would hide it
-// behind a process that looks alive; the relay exits when its connection closes, so an
+// behind a process that looks alive; `baton relay` exits 1 when its connection closes, so an
 // orchestrator restarts it and its log says why. A refusal that is not repeated (a server
 // that had not yet loaded a new account) is retried as usual. nats.go reads the .creds file,
 // the CA and the client certificate again at every connection attempt, so rotated files are
-// used from the next reconnect on; the nkey seed is read again at every login too.
+// used from the next reconnect on (an nkey seed file must keep its key: its public key is
+// read once).
 package natsconn

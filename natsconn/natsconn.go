@@ -16,7 +16,7 @@ import (
 const (
 	EnvURL     = "BATON_NATS_URL"
 	EnvURLFile = "BATON_NATS_URL_FILE"
-	EnvCreds   = "BATON_NATS_CREDS"
+	EnvCreds   = "BATON_NATS_CREDS" //nolint:gosec // G101: the name of a variable that holds a path
 	EnvNKey    = "BATON_NATS_NKEY"
 	EnvCA      = "BATON_NATS_CA"
 	EnvCert    = "BATON_NATS_CERT"
@@ -165,7 +165,7 @@ func (s Settings) Login() string {
 	case loginToken:
 		parts = append(parts, "token from the URL")
 	}
-	if len(parts) == 0 {
+	if len(parts) == 0 && s.Cert == "" {
 		parts = append(parts, "no credentials")
 	}
 	if s.Cert != "" {

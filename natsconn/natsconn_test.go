@@ -223,6 +223,8 @@ func TestServersAndLoginShowNoSecret(t *testing.T) {
 		{natsconn.Settings{URL: "nats://a:4222", NKey: "/u.nk", Cert: "/c.pem", Key: "/k.pem"}, "nats://a:4222",
 			"nkey from BATON_NATS_NKEY /u.nk, client certificate BATON_NATS_CERT /c.pem", ""},
 		{natsconn.Settings{URL: "nats://a:4222"}, "nats://a:4222", "no credentials", ""},
+		{natsconn.Settings{URL: "tls://a:4222", CA: "/ca.pem", Cert: "/c.pem", Key: "/k.pem"}, "tls://a:4222",
+			"client certificate BATON_NATS_CERT /c.pem, server verified with BATON_NATS_CA /ca.pem", ""},
 		{natsconn.Settings{URL: "nats://a:4222,nats://b:%zz"}, "nats://a:4222,(invalid URL)", "no credentials", "%zz"},
 	} {
 		require.Equal(t, tc.servers, natsconn.Servers(tc.s.URL))

@@ -57,7 +57,7 @@ type child struct {
 func startChild(t *testing.T, name, bin string, env []string, args ...string) *child {
 	t.Helper()
 	c := &child{name: name, exited: make(chan struct{})}
-	cmd := exec.Command(bin, args...) //nolint:gosec // G204: a program this test built
+	cmd := exec.Command(bin, args...)
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "BATON_") {
 			cmd.Env = append(cmd.Env, kv)
