@@ -128,7 +128,7 @@ func run(ctx context.Context) error {
 		return err
 	}
 	if cfg.DatabaseURL == "" {
-		return errors.New("BATON_DATABASE_URL is not set: set it (or BATON_DATABASE_URL_FILE) or pass --database-url")
+		return errors.New("BATON_DATABASE_URL is not set: set it or pass --database-url")
 	}
 	if cfg.MetricsAddr != "" {
 		if _, _, err := net.SplitHostPort(cfg.MetricsAddr); err != nil {
@@ -160,7 +160,7 @@ func run(ctx context.Context) error {
 	switch *source {
 	case "jetstream":
 		if cfg.NATSURL == "" {
-			return errors.New("BATON_NATS_URL is not set: set it (or BATON_NATS_URL_FILE) or pass --nats-url")
+			return errors.New("BATON_NATS_URL is not set: set it or pass --nats-url")
 		}
 		settings := natsconn.Settings{URL: cfg.NATSURL, Creds: cfg.NATSCreds, NKey: cfg.NATSNKey,
 			CA: cfg.NATSCA, Cert: cfg.NATSCert, Key: cfg.NATSKey}

@@ -108,7 +108,7 @@ func run(ctx context.Context) error {
 		return err
 	}
 	if sec.URL == "" {
-		return errors.New("BATON_NATS_URL is not set: set it (or BATON_NATS_URL_FILE) or pass --nats-url")
+		return errors.New("BATON_NATS_URL is not set: set it or pass --nats-url")
 	}
 	log, err := newLogger(logLevel, logFormat)
 	if err != nil {

@@ -372,12 +372,8 @@ func (c Config) Require(envNames ...string) error {
 		if *v.field(&c) != "" {
 			continue
 		}
-		orFile := ""
-		if name == EnvDatabaseURL || name == EnvNATSURL {
-			orFile = " (or " + name + "_FILE)"
-		}
 		if b := c.flags[name]; b != nil {
-			errs = append(errs, fmt.Errorf("%s is not set: set it%s or pass --%s", name, orFile, b.name))
+			errs = append(errs, fmt.Errorf("%s is not set: set it or pass --%s", name, b.name))
 		} else {
 			errs = append(errs, fmt.Errorf("%s is not set", name))
 		}

@@ -229,7 +229,7 @@ func TestRequire(t *testing.T) {
 
 	fs := flag.NewFlagSet("test", flag.ContinueOnError)
 	c.BindFlags(fs, EnvDatabaseURL)
-	require.EqualError(t, c.Require(EnvDatabaseURL), "BATON_DATABASE_URL is not set: set it (or BATON_DATABASE_URL_FILE) or pass --database-url")
+	require.EqualError(t, c.Require(EnvDatabaseURL), "BATON_DATABASE_URL is not set: set it or pass --database-url")
 	c.DatabaseURL = "postgres:///x"
 	require.NoError(t, c.Require(EnvDatabaseURL))
 }
