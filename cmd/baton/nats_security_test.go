@@ -287,3 +287,20 @@ func TestRelayExitsWhenItsLoginIsRefusedOnReconnect(t *testing.T) {
 		require.True(t, json.Valid([]byte(line)), "not a JSON record: %s", line)
 	}
 }
+
+// `baton bench turns` given a NATS server that wants a .creds login passes it to everything
+// that connects: the bench's own connection, its workers and the `baton relay` it starts.
+func TestBenchTurnsLogsInToNATS(t *testing.T) {
+	t.Parallel()
+	db := testsvc.NewDatabase(t)
+	n := testsvc.StartSecureNATS(t, testsvc.NATSJWT)
+	bin := testsvc.Binary(t, "github.com/batonhq/baton/cmd/baton")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var stdout, stderr bytes.Buffer
+	err := runBenchTurns(ctx, []string{"--only", "throughput", "--sources", "jetstream", "--workers", "1",
+		"--turns", "50", "--relay-binary", bin, "--database-url", db.URL,
+		"--nats-url", n.Good.URL, "--nats-creds", n.Good.Creds}, &stdout, &stderr)
+	require.NoError(t, err, "stderr:\n%s", stderr.String())
+	require.Regexp(t, `(?m)^jetstream\s+1\s+no tools\s+50/50\s`, stdout.String())
+}
