@@ -304,3 +304,21 @@ func TestBenchTurnsLogsInToNATS(t *testing.T) {
 	require.NoError(t, err, "stderr:\n%s", stderr.String())
 	require.Regexp(t, `(?m)^jetstream\s+1\s+no tools\s+50/50\s`, stdout.String())
 }
+
+// `baton demo` given a NATS server with TLS and client certificates runs through it (its
+// relay and workers connect with the settings); without a NATS URL, NATS settings are
+// refused rather than applied to the demo's own embedded server.
+func TestDemoOverTLS(t *testing.T) {
+	t.Parallel()
+	db := testsvc.NewDatabase(t)
+	n := testsvc.StartSecureNATS(t, testsvc.NATSTLS)
+	r := runBaton(t, "demo", "--database-url", db.URL, "--slot", db.Name, "--messages", "20", "--conversations", "2", "--rate", "0",
+		"--nats-url", n.Good.URL, "--nats-ca", n.Good.CA, "--nats-cert", n.Good.Cert, "--nats-key", n.Good.Key)
+	require.Equal(t, 0, r.code, "stdout:\n%s\nstderr:\n%s", r.stdout, r.stderr)
+	require.Contains(t, r.stdout, "replied: 20 (")
+	require.Contains(t, r.stdout, "lost: 0\n")
+
+	r = runBaton(t, "demo", "--database-url", db.URL, "--nats-ca", n.Good.CA)
+	require.Equal(t, 1, r.code, r.stderr)
+	require.Contains(t, r.stderr, "need "+config.EnvNATSURL)
+}
