@@ -133,6 +133,10 @@ func (s Settings) Connect(opts ...nats.Option) (*nats.Conn, error) {
 	}
 	nc, err := nats.Connect(s.URL, append(sec, opts...)...)
 	if err != nil {
+		var ue *url.Error
+		if errors.As(err, &ue) { // its text quotes the URL, password included
+			return nil, fmt.Errorf("connect to NATS at %s: a server URL does not parse", Servers(s.URL))
+		}
 		if IsAuthError(err) {
 			return nil, fmt.Errorf("NATS at %s refused the login (%s): %w", Servers(s.URL), s.Login(), err)
 		}

@@ -244,3 +244,12 @@ func TestEnviron(t *testing.T) {
 	require.False(t, natsconn.Settings{URL: "nats://a:4222"}.Secure())
 	require.False(t, strings.Contains(strings.Join(natsconn.Settings{}.Environ(), ""), "="))
 }
+
+// A URL that does not parse is refused without quoting it: the text of url.Error would show
+// the password.
+func TestConnectNeverQuotesTheURL(t *testing.T) {
+	t.Parallel()
+	_, err := natsconn.Settings{URL: "nats://baton:pw-s3cret@127.0.0.1:%zz"}.Connect()
+	require.ErrorContains(t, err, "a server URL does not parse")
+	require.NotContains(t, err.Error(), "pw-s3cret")
+}
