@@ -88,15 +88,8 @@ func (s *jetStreamSource) consume(ctx context.Context) error {
 // no redelivery can make it readable.
 func (s *jetStreamSource) onEvent(ctx context.Context, msg jetstream.Msg) {
 	w := s.w
-	id, err := strconv.ParseInt(msg.Headers().Get(wire.HeaderOutboxID), 10, 64)
-	var ev wire.TurnEvent
-	if err == nil {
-		err = json.Unmarshal(msg.Data(), &ev)
-	}
-	if err == nil && !validID(ev.ConversationID) {
-		err = errors.New("conversation id is not 1-200 bytes of text without NUL")
-	}
-	if err != nil || ev.OutboxID != id {
+	ev, err := decodeTurnEvent(msg.Headers().Get(wire.HeaderOutboxID), msg.Data())
+	if err != nil {
 		w.cfg.Logger.Error("malformed turn event; terminating it", "subject", msg.Subject(), "error", err)
 		_ = msg.Term()
 		w.m.events.WithLabelValues("terminated").Inc()
@@ -110,7 +103,28 @@ func (s *jetStreamSource) onEvent(ctx context.Context, msg jetstream.Msg) {
 	if md, err := msg.Metadata(); err == nil {
 		seq = md.Sequence.Stream
 	}
-	w.schedule(ctx, ev.ConversationID, &event{outboxID: id, seq: seq, d: jsDelivery{msg: msg, m: w.m}}, ev.CreatedAt)
+	w.schedule(ctx, ev.ConversationID, &event{outboxID: ev.OutboxID, seq: seq, d: jsDelivery{msg: msg, m: w.m}}, ev.CreatedAt)
+}
+
+// decodeTurnEvent decodes a turn event from its outbox id header and its body, which must
+// agree, and checks its conversation id. Anyone allowed to publish on the turns subjects can
+// send anything; only what the relay could have written gets through.
+func decodeTurnEvent(outboxHeader string, data []byte) (wire.TurnEvent, error) {
+	id, err := strconv.ParseInt(outboxHeader, 10, 64)
+	if err != nil {
+		return wire.TurnEvent{}, fmt.Errorf("header %s: %w", wire.HeaderOutboxID, err)
+	}
+	var ev wire.TurnEvent
+	if err := json.Unmarshal(data, &ev); err != nil {
+		return wire.TurnEvent{}, fmt.Errorf("body: %w", err)
+	}
+	if ev.OutboxID != id {
+		return wire.TurnEvent{}, fmt.Errorf("body names outbox row %d, header %d", ev.OutboxID, id)
+	}
+	if !validID(ev.ConversationID) {
+		return wire.TurnEvent{}, errors.New("conversation id is not 1-200 bytes of text without NUL")
+	}
+	return ev, nil
 }
 
 // validID reports whether id can be a conversation id: 1 to 200 bytes of valid UTF-8 with no

@@ -35,6 +35,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -146,6 +147,11 @@ func run(ctx context.Context) error {
 		}
 	}
 
+	// user:password@host/db without postgres:// parses as key=value with the password in a key
+	// the server then quotes in its error: refuse it.
+	if key, _, _ := strings.Cut(cfg.DatabaseURL, "="); !strings.Contains(cfg.DatabaseURL, "://") && strings.ContainsAny(key, ":@/") {
+		return errors.New("BATON_DATABASE_URL must be a postgres:// URL or key=value pairs")
+	}
 	pcfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
 	if err != nil { // its text may quote the URL, password included
 		return errors.New("BATON_DATABASE_URL is not a usable PostgreSQL connection string")
