@@ -8,7 +8,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -25,24 +24,6 @@ import (
 // exitWithin bounds how long a process given a login the server refuses may take to exit: a
 // refused first connection ends at once; a process still running after this retries forever.
 const exitWithin = 20 * time.Second
-
-// lockedBuffer is a bytes.Buffer safe for a process's output copier and the test.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // child is a program of this module running as a process, killed when the test ends.
 type child struct {
