@@ -1,14 +1,7 @@
 package testsvc
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"fmt"
-	"math/big"
 	"net"
 	"os"
 	"path/filepath"
@@ -91,12 +84,11 @@ func StartSecureNATS(t testing.TB, auth NATSAuth) *SecureNATS {
 	case NATSJWT:
 		n.Good.Creds, n.Bad.Creds = operatorMode(t, opts, write)
 	case NATSTLS:
-		ca, caKey := newCA(t, "baton test CA")
-		other, otherKey := newCA(t, "another CA")
-		srvCert, srvKey := issue(t, ca, caKey, "nats server", x509.ExtKeyUsageServerAuth)
-		cliCert, cliKey := issue(t, ca, caKey, "baton client", x509.ExtKeyUsageClientAuth)
-		strCert, strKey := issue(t, other, otherKey, "stranger", x509.ExtKeyUsageClientAuth)
-		caFile := write("ca.pem", pemCert(ca.Raw))
+		ca, other := NewCA(t, "baton test CA"), NewCA(t, "another CA")
+		srvCert, srvKey := ca.ServerCert(t)
+		cliCert, cliKey := ca.ClientCert(t, "baton client")
+		strCert, strKey := other.ClientCert(t, "stranger")
+		caFile := ca.CertFile
 		tc, err := server.GenTLSConfig(&server.TLSConfigOpts{
 			CertFile: write("server.pem", srvCert), KeyFile: write("server-key.pem", srvKey),
 			CaFile: caFile, Verify: true,
@@ -240,64 +232,3 @@ func newNKey(t testing.TB, create func() (nkeys.KeyPair, error)) (pub string, se
 	return pub, seed
 }
 
-// newCA returns a self-signed ECDSA CA certificate and its key.
-func newCA(t testing.TB, name string) (*x509.Certificate, *ecdsa.PrivateKey) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatalf("CA key: %v", err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: name},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(24 * time.Hour),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatalf("CA certificate: %v", err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatalf("CA certificate: %v", err)
-	}
-	return cert, key
-}
-
-// issue returns a PEM certificate for 127.0.0.1 signed by ca, with usage, and its PEM key.
-func issue(t testing.TB, ca *x509.Certificate, caKey *ecdsa.PrivateKey, name string, usage x509.ExtKeyUsage) (certPEM, keyPEM []byte) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatalf("key: %v", err)
-	}
-	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
-	if err != nil {
-		t.Fatalf("serial: %v", err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: serial,
-		Subject:      pkix.Name{CommonName: name},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(24 * time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{usage},
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-	if err != nil {
-		t.Fatalf("certificate: %v", err)
-	}
-	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		t.Fatalf("key: %v", err)
-	}
-	return pemCert(der), pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER})
-}
-
-func pemCert(der []byte) []byte {
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
-}

@@ -63,27 +63,41 @@ func NewCA(t testing.TB, name string) *CA {
 // and its private key, both PEM.
 func (ca *CA) ServerCert(t testing.TB) (certPEM, keyPEM []byte) {
 	t.Helper()
+	return ca.issue(t, "localhost", x509.ExtKeyUsageServerAuth)
+}
+
+// ClientCert issues a client certificate named name, and returns it and its private key,
+// both PEM.
+func (ca *CA) ClientCert(t testing.TB, name string) (certPEM, keyPEM []byte) {
+	t.Helper()
+	return ca.issue(t, name, x509.ExtKeyUsageClientAuth)
+}
+
+// issue returns a certificate for name, 127.0.0.1, ::1 and localhost with usage, signed by
+// ca and valid for a day, and its private key, both PEM.
+func (ca *CA) issue(t testing.TB, name string, usage x509.ExtKeyUsage) (certPEM, keyPEM []byte) {
+	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
-		t.Fatalf("server key: %v", err)
+		t.Fatalf("%s key: %v", name, err)
 	}
 	tmpl := &x509.Certificate{
 		SerialNumber: serial(t),
-		Subject:      pkix.Name{CommonName: "localhost"},
+		Subject:      pkix.Name{CommonName: name},
 		NotBefore:    time.Now().Add(-time.Hour),
 		NotAfter:     time.Now().Add(24 * time.Hour),
 		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		ExtKeyUsage:  []x509.ExtKeyUsage{usage},
 		DNSNames:     []string{"localhost"},
 		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback},
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
 	if err != nil {
-		t.Fatalf("server certificate: %v", err)
+		t.Fatalf("%s certificate: %v", name, err)
 	}
 	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
 	if err != nil {
-		t.Fatalf("server key: %v", err)
+		t.Fatalf("%s key: %v", name, err)
 	}
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
 		pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER})
