@@ -3,6 +3,7 @@ package natsconn
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net/url"
 	"os"
 	"strings"
@@ -297,17 +298,35 @@ func checkSeed(b []byte) error {
 	return nil
 }
 
-// readFile reads path; its error never quotes the contents.
+// maxFileSize bounds what readFile reads: URLs, .creds files and nkey seeds are a few KiB, and
+// a path naming a device (/dev/zero) or a large file by mistake must fail, not fill memory.
+const maxFileSize = 1 << 20
+
+// readFile reads path, at most maxFileSize bytes; its error never quotes the contents. A pipe
+// (a shell's <(...)) is read like a file.
 func readFile(path string) ([]byte, error) {
-	b, err := os.ReadFile(path) //nolint:gosec // G304: the operator names the file on purpose
+	f, err := os.Open(path) //nolint:gosec // G304: the operator names the file on purpose
 	if err != nil {
-		var pe *os.PathError
-		if errors.As(err, &pe) {
-			return nil, fmt.Errorf("cannot read: %w", pe.Err)
-		}
-		return nil, errors.New("cannot read")
+		return nil, readError(err)
+	}
+	defer func() { _ = f.Close() }()
+	b, err := io.ReadAll(io.LimitReader(f, maxFileSize+1))
+	if err != nil {
+		return nil, readError(err)
+	}
+	if len(b) > maxFileSize {
+		wipe(b)
+		return nil, errors.New("the file is larger than 1 MiB")
 	}
 	return b, nil
+}
+
+func readError(err error) error {
+	var pe *os.PathError
+	if errors.As(err, &pe) {
+		return fmt.Errorf("cannot read: %w", pe.Err)
+	}
+	return errors.New("cannot read")
 }
 
 // wipe overwrites a secret read from a file once it was checked.

@@ -184,6 +184,10 @@ func TestValueOrFile(t *testing.T) {
 		{"missing", "", filepath.Join(dir, "nope"), "", []string{"BATON_NATS_URL_FILE", filepath.Join(dir, "nope"), "no such file"}},
 		{"a directory", "", dir, "", []string{"BATON_NATS_URL_FILE", dir}},
 		{"empty", "", write("empty", "\n", 0o600), "", []string{"BATON_NATS_URL_FILE", filepath.Join(dir, "empty"), "empty"}},
+		// A path that names a log, an image or a device by mistake is refused, not read whole.
+		{"too large", "", write("large", strings.Repeat(url+",", 1<<20/len(url)+1), 0o600), "",
+			[]string{"BATON_NATS_URL_FILE", filepath.Join(dir, "large"), "larger than 1 MiB"}},
+		{"a device that never ends", "", "/dev/zero", "", []string{"BATON_NATS_URL_FILE", "/dev/zero", "larger than 1 MiB"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, err := natsconn.ValueOrFile(natsconn.EnvURL, tc.value, natsconn.EnvURLFile, tc.path)

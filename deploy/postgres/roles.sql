@@ -83,6 +83,44 @@ $$;
 -- The relay's one role attribute; set again in case the role existed without it.
 ALTER ROLE baton_relay WITH LOGIN REPLICATION;
 
+-- A role that existed before keeps its attributes and memberships: take away those that would
+-- let it past what this file grants (SUPERUSER and BYPASSRLS ignore row-level security,
+-- CREATEROLE and CREATEDB reach beyond Baton's tables, REPLICATION decodes everything), and its
+-- memberships in Baton's other roles and in pg_read_all_data and pg_write_all_data, whose
+-- privileges and policies a member gets. Grants of Baton's roles to roles of your own stay.
+DO $$
+DECLARE
+    r record;
+    left_over text;
+BEGIN
+    FOR r IN SELECT rolname, rolreplication FROM pg_roles
+             WHERE rolname IN ('baton_app', 'baton_relay', 'baton_worker')
+               AND (rolsuper OR rolbypassrls OR rolcreaterole OR rolcreatedb
+                    OR (rolreplication AND rolname <> 'baton_relay')) LOOP
+        EXECUTE format('ALTER ROLE %I WITH NOSUPERUSER NOBYPASSRLS NOCREATEROLE NOCREATEDB', r.rolname);
+        IF r.rolname <> 'baton_relay' AND r.rolreplication THEN
+            EXECUTE format('ALTER ROLE %I WITH NOREPLICATION', r.rolname);
+        END IF;
+    END LOOP;
+    FOR r IN SELECT m.rolname AS member, g.rolname AS grp
+             FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member JOIN pg_roles g ON g.oid = a.roleid
+             WHERE m.rolname IN ('baton_app', 'baton_relay', 'baton_worker')
+               AND g.rolname IN ('baton_migrator', 'baton_app', 'baton_relay', 'baton_worker',
+                                 'pg_read_all_data', 'pg_write_all_data') LOOP
+        EXECUTE format('REVOKE %I FROM %I', r.grp, r.member);
+    END LOOP;
+    -- A membership granted by another role than the one running this file may survive REVOKE.
+    SELECT string_agg(g.rolname || ' to ' || m.rolname, ', ') INTO left_over
+    FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member JOIN pg_roles g ON g.oid = a.roleid
+    WHERE m.rolname IN ('baton_app', 'baton_relay', 'baton_worker')
+      AND g.rolname IN ('baton_migrator', 'baton_app', 'baton_relay', 'baton_worker',
+                        'pg_read_all_data', 'pg_write_all_data');
+    IF left_over IS NOT NULL THEN
+        RAISE EXCEPTION 'revoke these role grants by hand (as the role that granted them): %', left_over;
+    END IF;
+END
+$$;
+
 -- The database and the schema. CREATE on the database lets the migrator create and own the
 -- publication; CREATE on the schema lets it create tables.
 DO $$

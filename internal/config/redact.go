@@ -17,11 +17,12 @@ var schemePattern = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9+.-]*://`)
 //
 //   - URLs (postgres://, postgresql://, nats://, tls://, ws://, wss://): a password in the
 //     userinfo becomes xxxxx (user:pass@ → user:xxxxx@), and so does the value of every query
-//     parameter whose name ends in "password" (password=, sslpassword=);
+//     parameter whose name ends in "password" (password=, sslpassword=), and of options=
+//     when it sets a server setting named like a password (options=-c app.password=...);
 //   - NATS server lists (comma-separated, with or without scheme), where a user without a
 //     password is a token and is masked whole (nats://s3cret@host → nats://xxxxx@host);
 //   - PostgreSQL key=value strings (host=db password='a b'), where the value of every key
-//     ending in "password" is masked.
+//     ending in "password" is masked, and that of options as in URLs.
 //
 // It errs on the side of masking: the userinfo is everything up to the last '@', so a
 // password holding '/', '?', ':', '=' or '@' is still masked, and a key=value string it cannot
@@ -109,7 +110,7 @@ func urlSpans(s string, off int, userIsSecret bool, spans [][2]int) [][2]int {
 			if k, err := url.QueryUnescape(key); err == nil {
 				key = k
 			}
-			if hasValue && isSecretKey(key) {
+			if hasValue && (isSecretKey(key) || isSecretOptions(key, value)) {
 				spans = append(spans, [2]int{i + len(pair) - len(value), i + len(pair)})
 			}
 			i += len(pair) + 1
@@ -145,6 +146,20 @@ func isSecretKey(key string) bool {
 	return strings.HasSuffix(strings.ToLower(strings.TrimSpace(key)), "password")
 }
 
+// isSecretOptions reports whether a connection parameter is options (the server settings
+// sent at connection start, -c name=value ...) and sets one whose name holds "password"
+// (options='-c app.password=...'): its value is masked whole, since where one setting ends
+// depends on quoting that differs between the two forms of connection strings.
+func isSecretOptions(key, value string) bool {
+	if !strings.EqualFold(strings.TrimSpace(key), "options") {
+		return false
+	}
+	if v, err := url.QueryUnescape(value); err == nil {
+		value = v
+	}
+	return strings.Contains(strings.ToLower(value), "password")
+}
+
 // keyValueSpans returns the byte ranges of s to mask when s is a PostgreSQL key=value
 // connection string: the secret values, and what cannot be parsed from the point where
 // parsing failed.
@@ -152,7 +167,7 @@ func keyValueSpans(s string) [][2]int {
 	pairs, failAt := scanKeyValues(s)
 	var spans [][2]int
 	for _, p := range pairs {
-		if isSecretKey(p.key) {
+		if isSecretKey(p.key) || isSecretOptions(p.key, s[p.start:p.end]) {
 			spans = append(spans, [2]int{p.start, p.end})
 		}
 	}

@@ -60,6 +60,14 @@ func TestRedact(t *testing.T) {
 		{"key=value with URL in value", "host=db options='-c x=nats://a' password=s3cret",
 			"host=db options='-c x=nats://a' password=xxxxx"},
 		{"key=value server setting with a dot", "host=db app.tenant=t1 password=s3cret", "host=db app.tenant=t1 password=xxxxx"},
+		// options sets server settings at connection start; one named like a password is one.
+		{"key=value options setting a password", "host=db options='-c app.password=s3cret' user=u",
+			"host=db options=xxxxx user=u"},
+		{"key=value options unquoted", `options=-capp.password=s3cret host=db`, "options=xxxxx host=db"},
+		{"query options setting a password", "postgres://u@db/baton?options=-c%20app.password%3Ds3cret&sslmode=require",
+			"postgres://u@db/baton?options=xxxxx&sslmode=require"},
+		{"query options escaped key", "postgres://db/baton?opt%69ons=-c+app.PASSWORD=s3cret", "postgres://db/baton?opt%69ons=xxxxx"},
+		{"query options without a password", "postgres://db/baton?options=-c%20search_path%3Dx", "postgres://db/baton?options=-c%20search_path%3Dx"},
 		{"key=value key that is no word", "host=db us:er=s3cret", "host=db xxxxx"},
 
 		// No scheme, no white space, an '@' and an '=': a URL and key=value pairs at once.
