@@ -21,7 +21,7 @@ func requireMismatchRefused(t *testing.T, err error, what string) {
 	var pgErr *pgconn.PgError
 	require.True(t, errors.As(err, &pgErr), "%s: want a foreign key violation, got %v", what, err)
 	require.Equal(t, "23503", pgErr.Code, "%s: %v", what, err)
-	require.Equal(t, "agent_outbox_message_conversation_fkey", pgErr.ConstraintName, what)
+	require.Equal(t, "agent_outbox_user_message_fkey", pgErr.ConstraintName, what)
 }
 
 // outboxKeys returns agent_outbox's foreign keys to messages and whether each is validated.
@@ -42,15 +42,15 @@ func outboxKeys(ctx context.Context, t *testing.T, pool *pgxpool.Pool) map[strin
 	return keys
 }
 
-// An outbox row names a turn of its conversation: its message must be of that conversation,
-// whoever writes it (here the superuser, whom no privilege or policy stops), on insert and on
-// update. Deleting the message still deletes its outbox row.
+// An outbox row names a turn of its conversation: its message must be a user message of that
+// conversation, whoever writes it (here the superuser, whom no privilege or policy stops), on
+// insert and on update. Deleting the message still deletes its outbox row.
 func TestOutboxConversationMustMatchMessage(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	db := testsvc.NewDatabase(t)
-	require.Equal(t, map[string]bool{"agent_outbox_message_conversation_fkey": true}, outboxKeys(ctx, t, db.Pool),
+	require.Equal(t, map[string]bool{"agent_outbox_user_message_fkey": true}, outboxKeys(ctx, t, db.Pool),
 		"the composite key is validated and replaces the key on message_id")
 	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('a'), ('b');
 		INSERT INTO messages (id, conversation_id, role, content) VALUES ('m1', 'a', 'user', 'x'), ('m2', 'a', 'user', 'y')`)
@@ -62,8 +62,21 @@ func TestOutboxConversationMustMatchMessage(t *testing.T) {
 		INSERT INTO agent_outbox (conversation_id, message_id) SELECT 'b', id FROM m`)
 	requireMismatchRefused(t, err, "message and outbox row in one statement")
 
+	_, err = db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('r1', 'a', 'assistant', 'r'), ('e1', 'a', 'error', 'e')`)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('a', 'r1')`)
+	requireMismatchRefused(t, err, "insert naming a reply")
+	_, err = db.Pool.Exec(ctx, `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('a', 'e1')`)
+	requireMismatchRefused(t, err, "insert naming an error message")
+	_, err = db.Pool.Exec(ctx, `INSERT INTO agent_outbox (conversation_id, message_id, message_role) VALUES ('a', 'r1', 'assistant')`)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr, "an outbox row's message_role is always user")
+	require.Equal(t, "23514", pgErr.Code, "%v", err)
+
 	_, err = db.Pool.Exec(ctx, `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('a', 'm1'), ('a', 'm2')`)
 	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `UPDATE messages SET role = 'assistant' WHERE id = 'm1'`)
+	requireMismatchRefused(t, err, "turning a queued user message into a reply")
 	_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET conversation_id = 'b' WHERE message_id = 'm1'`)
 	requireMismatchRefused(t, err, "moving an outbox row to another conversation")
 	_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET message_id = 'm2' WHERE message_id = 'm1'`)
@@ -86,8 +99,9 @@ func TestOutboxConversationMigrationKeepsExistingRows(t *testing.T) {
 	db := testsvc.NewDatabase(t)
 	// Undo version 7 as if it had never run, then write what an older schema allowed.
 	_, err := db.Pool.Exec(ctx, `
-		ALTER TABLE agent_outbox DROP CONSTRAINT agent_outbox_message_conversation_fkey;
-		ALTER TABLE messages DROP CONSTRAINT messages_conversation_id_id_key;
+		ALTER TABLE agent_outbox DROP CONSTRAINT agent_outbox_user_message_fkey;
+		ALTER TABLE messages DROP CONSTRAINT messages_conversation_id_id_role_key;
+		ALTER TABLE agent_outbox DROP COLUMN message_role;
 		ALTER TABLE agent_outbox ADD CONSTRAINT agent_outbox_message_id_fkey
 			FOREIGN KEY (message_id) REFERENCES messages (id) ON DELETE CASCADE;
 		DELETE FROM baton_schema_migrations WHERE version = 7;
@@ -99,7 +113,7 @@ func TestOutboxConversationMigrationKeepsExistingRows(t *testing.T) {
 	applied, err := migrations.Up(ctx, db.Pool)
 	require.NoError(t, err)
 	require.Equal(t, []int{7}, applied)
-	require.Equal(t, map[string]bool{"agent_outbox_message_conversation_fkey": false, "agent_outbox_message_id_fkey": true},
+	require.Equal(t, map[string]bool{"agent_outbox_user_message_fkey": false, "agent_outbox_message_id_fkey": true},
 		outboxKeys(ctx, t, db.Pool))
 	var conv string
 	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT conversation_id FROM agent_outbox WHERE message_id = 'old'`).Scan(&conv))
@@ -109,8 +123,8 @@ func TestOutboxConversationMigrationKeepsExistingRows(t *testing.T) {
 
 	// Fixed as the migration's comment says, the key validates.
 	_, err = db.Pool.Exec(ctx, `UPDATE agent_outbox SET conversation_id = 'a' WHERE message_id = 'old';
-		ALTER TABLE agent_outbox VALIDATE CONSTRAINT agent_outbox_message_conversation_fkey;
+		ALTER TABLE agent_outbox VALIDATE CONSTRAINT agent_outbox_user_message_fkey;
 		ALTER TABLE agent_outbox DROP CONSTRAINT agent_outbox_message_id_fkey`)
 	require.NoError(t, err)
-	require.Equal(t, map[string]bool{"agent_outbox_message_conversation_fkey": true}, outboxKeys(ctx, t, db.Pool))
+	require.Equal(t, map[string]bool{"agent_outbox_user_message_fkey": true}, outboxKeys(ctx, t, db.Pool))
 }

@@ -208,15 +208,15 @@ func requireRowSecurity(t *testing.T, err error, what string) {
 	require.ErrorContains(t, err, "row-level security policy", what)
 }
 
-// requireConversationMismatch asserts that err is the foreign key that ties an outbox row's
-// conversation to its message's.
+// requireConversationMismatch asserts that err is the foreign key that ties an outbox row to a
+// user message of its conversation.
 func requireConversationMismatch(t *testing.T, err error, what string) {
 	t.Helper()
 	var pgErr *pgconn.PgError
 	require.Error(t, err, "%s: should be refused", what)
 	require.True(t, errors.As(err, &pgErr), "%s: %v", what, err)
 	require.Equal(t, "23503", pgErr.Code, "%s: %v", what, err)
-	require.Equal(t, "agent_outbox_message_conversation_fkey", pgErr.ConstraintName, what)
+	require.Equal(t, "agent_outbox_user_message_fkey", pgErr.ConstraintName, what)
 }
 
 func newProducer(t *testing.T) *producer.Producer {
@@ -375,6 +375,30 @@ func outboxState(admin *pgxpool.Pool, messageID string) (status, replyRole strin
 		FROM agent_outbox o LEFT JOIN messages r ON r.id = o.reply_id WHERE o.message_id = $1`, messageID).
 		Scan(&status, &replyRole)
 	return status, replyRole, err
+}
+
+// The app sends user messages, and an outbox row is a user message's turn: an outbox row the
+// app points at a reply (or an error message) would have a worker run a turn whose request is
+// the agent's own words, as if the user had sent them. (Found by an adversarial review.)
+func TestRolesAppCannotQueueAReply(t *testing.T) {
+	t.Parallel()
+	db, rs := setupRoles(t)
+	ctx := context.Background()
+	app := rs.pool(t, roleApp)
+	p := newProducer(t)
+	_, err := p.CreateConversation(ctx, app, "conv-1")
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content)
+		VALUES ('reply-1', 'conv-1', 'assistant', 'a reply'), ('error-1', 'conv-1', 'error', 'a failure')`)
+	require.NoError(t, err)
+	refusalsWith(t, app, map[string]string{
+		"outbox row of a reply":            `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('conv-1', 'reply-1')`,
+		"outbox row of an error message":   `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('conv-1', 'error-1')`,
+		"outbox row of a reply via select": `INSERT INTO agent_outbox (conversation_id, message_id) SELECT conversation_id, id FROM messages WHERE role <> 'user'`,
+	}, requireConversationMismatch)
+	refusalsWith(t, app, map[string]string{
+		"outbox row naming its message's role": `INSERT INTO agent_outbox (conversation_id, message_id, message_role) VALUES ('conv-1', 'reply-1', 'assistant')`,
+	}, requireDenied)
 }
 
 func TestRolesWorker(t *testing.T) {
@@ -619,8 +643,9 @@ func TestRolesMigratorUpgrades(t *testing.T) {
 	want := privilegeState(t, db.Pool)
 	// Back to version 6, as the admin.
 	_, err := db.Pool.Exec(ctx, `
-		ALTER TABLE agent_outbox DROP CONSTRAINT agent_outbox_message_conversation_fkey;
-		ALTER TABLE messages DROP CONSTRAINT messages_conversation_id_id_key;
+		ALTER TABLE agent_outbox DROP CONSTRAINT agent_outbox_user_message_fkey;
+		ALTER TABLE messages DROP CONSTRAINT messages_conversation_id_id_role_key;
+		ALTER TABLE agent_outbox DROP COLUMN message_role;
 		ALTER TABLE agent_outbox ADD CONSTRAINT agent_outbox_message_id_fkey
 			FOREIGN KEY (message_id) REFERENCES messages (id) ON DELETE CASCADE;
 		DELETE FROM baton_schema_migrations WHERE version = 7`)

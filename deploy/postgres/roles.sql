@@ -51,8 +51,8 @@
 --       CREATE POLICY messages_reports_select ON public.messages FOR SELECT TO reports USING (true);
 --     or it reads no rows. The owner (baton_migrator) and superusers are not subject to it.
 --     Logical decoding ignores it: the relay publishes replies as before.
---   * An outbox row's conversation must be its message's: a foreign key (migration 7) checks it
---     for every role, the owner included.
+--   * An outbox row must name a user message of its own conversation: a foreign key (migration
+--     7) checks it for every role, the owner included.
 --   * baton_relay cannot read messages, but REPLICATION still lets it decode the changes
 --     committed from its slot's creation on, whatever its table privileges: the replies it
 --     publishes, and, with a slot of its own and another output plugin installed on the server
