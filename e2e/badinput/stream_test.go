@@ -58,7 +58,9 @@ func TestOperatorDeletesStreams(t *testing.T) {
 	answeredSince := func(since time.Time) {
 		t.Helper()
 		require.Eventually(t, func() bool {
-			return s.count(`SELECT count(*)::int FROM agent_outbox WHERE status = 'done' AND created_at > $1`, since) >= 20
+			var n int
+			err := s.db.Pool.QueryRow(ctx, `SELECT count(*) FROM agent_outbox WHERE status = 'done' AND created_at > $1`, since).Scan(&n)
+			return err == nil && n >= 20
 		}, time.Minute, 20*time.Millisecond, "the system stopped answering")
 	}
 	answeredSince(time.Time{})

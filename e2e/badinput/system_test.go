@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -298,8 +299,12 @@ func (s *system) requireAnswered(within time.Duration, since time.Time) {
 	}, within, 20*time.Millisecond, "accepted messages never answered")
 	replies := testsvc.Query[string](t, s.db, `SELECT id FROM messages WHERE role IN ('assistant', 'error') AND created_at > $1`, since)
 	require.Eventually(t, func() bool {
+		msgs, err := s.tryReadStream("AGENT_OUTCOMES")
+		if err != nil {
+			return false
+		}
 		published := map[string]bool{}
-		for _, m := range s.readStream("AGENT_OUTCOMES") {
+		for _, m := range msgs {
 			var ev wire.OutcomeEvent
 			if json.Unmarshal(m.Data, &ev) == nil {
 				published[ev.MessageID] = true
@@ -337,7 +342,11 @@ func (s *system) awaitOutcome(id string, within time.Duration) (wire.OutcomeEven
 	var ev wire.OutcomeEvent
 	var found *jetstream.RawStreamMsg
 	require.Eventually(t, func() bool {
-		for _, m := range s.readStream("AGENT_OUTCOMES") {
+		msgs, err := s.tryReadStream("AGENT_OUTCOMES")
+		if err != nil {
+			return false
+		}
+		for _, m := range msgs {
 			var e wire.OutcomeEvent
 			if json.Unmarshal(m.Data, &e) == nil && e.MessageID == id {
 				ev, found = e, m
@@ -351,26 +360,40 @@ func (s *system) awaitOutcome(id string, within time.Duration) (wire.OutcomeEven
 
 // readStream returns every message stream holds now (none when it does not exist).
 func (s *system) readStream(name string) []*jetstream.RawStreamMsg {
-	t := s.t
-	t.Helper()
-	ctx := ctxFor(t, 30*time.Second)
+	s.t.Helper()
+	msgs, err := s.tryReadStream(name)
+	require.NoError(s.t, err)
+	return msgs
+}
+
+// tryReadStream is readStream for conditions polled by require.Eventually, which must not
+// fail the test from their goroutine.
+func (s *system) tryReadStream(name string) ([]*jetstream.RawStreamMsg, error) {
+	ctx, cancel := context.WithTimeout(s.t.Context(), 30*time.Second)
+	defer cancel()
 	st, err := s.js.Stream(ctx, name)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return nil
+		return nil, nil
 	}
-	require.NoError(t, err)
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", name, err)
+	}
 	info, err := st.Info(ctx)
-	require.NoError(t, err)
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", name, err)
+	}
 	var out []*jetstream.RawStreamMsg
 	for seq := info.State.FirstSeq; info.State.Msgs > 0 && seq <= info.State.LastSeq; seq++ {
 		m, err := st.GetMsg(ctx, seq)
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
 			continue
 		}
-		require.NoError(t, err, "stream %s seq %d", name, seq)
+		if err != nil {
+			return nil, fmt.Errorf("stream %s seq %d: %w", name, seq, err)
+		}
 		out = append(out, m)
 	}
-	return out
+	return out, nil
 }
 
 // dbNow returns the database's clock.
