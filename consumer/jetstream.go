@@ -93,22 +93,52 @@ func (s *jetStreamSource) consumeOnce(ctx context.Context, js jetstream.JetStrea
 			return nil
 		}
 	}
+	// Consuming reports errors it goes on after: a pull request that found no consumer ("no
+	// responders", when the server's "consumer deleted" notice was lost with a connection or
+	// never sent, as for a client holding no pull request), missed heartbeats. After each, the
+	// consumer is looked up, and created again if gone. Heartbeats every consumeHeartbeat
+	// bound how long a consumer deleted unnoticed goes unnoticed: two of them missed.
+	check := make(chan struct{}, 1)
 	cc, err := cons.Consume(func(msg jetstream.Msg) { s.onEvent(ctx, msg) },
+		jetstream.PullHeartbeat(consumeHeartbeat),
 		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
 			if !errors.Is(err, jetstream.ErrNoHeartbeat) || ctx.Err() == nil {
 				w.cfg.Logger.Warn("consume", "error", err)
+			}
+			select {
+			case check <- struct{}{}:
+			default:
 			}
 		}))
 	if err != nil {
 		return fmt.Errorf("consume %s: %w", w.cfg.Durable, err)
 	}
-	select {
-	case <-ctx.Done():
-	case <-cc.Closed():
+	for gone := false; !gone; {
+		select {
+		case <-ctx.Done():
+			gone = true
+		case <-cc.Closed():
+			gone = true
+		case <-check:
+			gone = consumerGone(ctx, cons)
+		}
 	}
 	cc.Stop()
 	<-cc.Closed()
 	return nil
+}
+
+// consumeHeartbeat is how often the server sends the workers' pull requests a heartbeat while
+// it has no event for them (nats.go's default is 15s).
+const consumeHeartbeat = 5 * time.Second
+
+// consumerGone reports whether the server says cons, or its stream, does not exist. Any other
+// answer (the server is unreachable, the request timed out) is no reason to create it again.
+func consumerGone(ctx context.Context, cons jetstream.Consumer) bool {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	_, err := cons.Info(ctx)
+	return errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrStreamNotFound)
 }
 
 // onEvent hands a turn event to its conversation's loop. A malformed event is terminated:
