@@ -89,6 +89,53 @@ func TestOperatorDeletesStreams(t *testing.T) {
 		require.True(t, published[fmt.Sprintf("turn:%d", id)], "outbox %d committed after the deletion has no event", id)
 	}
 	// And the workers took and acked every event of the new stream.
+	s.requireEventsAcked()
+	s.requireFlowing("deleted-streams")
+	requireNoErrorLogs(t, s.relay, s.worker)
+}
+
+// TestOperatorDeletesTurnsStreamDuringBurst deletes the turns stream while the relay works
+// through a burst of 5,000 rows committed in one transaction (in fast-ingest batches, as it
+// publishes while behind). The publish in flight fails: "no responders", a batch the new
+// stream does not know (err_code 10208), or no answer at all, which ends the session after
+// AckTimeout (10s). In each case the relay confirmed nothing of the transaction, so its next
+// session creates the stream and publishes the whole transaction again; the worker creates
+// its durable consumer on the new stream, and every row is answered.
+func TestOperatorDeletesTurnsStreamDuringBurst(t *testing.T) {
+	t.Parallel()
+	s := start(t, options{})
+	ctx := ctxFor(t, 3*time.Minute)
+	for i := range 50 {
+		s.conversation(fmt.Sprintf("burst-%02d", i))
+	}
+	_, err := s.db.Pool.Exec(ctx, `WITH m AS (
+			INSERT INTO messages (id, conversation_id, role, content)
+			SELECT 'burst-' || g, 'burst-' || lpad((g % 50)::text, 2, '0'), 'user', 'b' || g FROM generate_series(1, 5000) g
+			RETURNING id, conversation_id)
+		INSERT INTO agent_outbox (conversation_id, message_id) SELECT conversation_id, id FROM m ORDER BY id`)
+	require.NoError(t, err)
+	// Delete it once the relay has published some of the burst, not all.
+	require.Eventually(t, func() bool {
+		st, err := s.js.Stream(ctx, "AGENT_TURNS")
+		if err != nil {
+			return false
+		}
+		info, err := st.Info(ctx)
+		return err == nil && info.State.Msgs > 1500
+	}, time.Minute, time.Millisecond)
+	require.NoError(t, s.js.DeleteStream(ctx, "AGENT_TURNS"))
+	s.requireAllAnswered(90 * time.Second)
+	s.requireEventsAcked()
+	s.requireFlowing("deleted-during-burst")
+	requireNoErrorLogs(t, s.relay, s.worker)
+}
+
+// requireEventsAcked waits until the workers' durable consumer has taken and acked every
+// event of the turns stream: after a deletion, that it exists on the new stream.
+func (s *system) requireEventsAcked() {
+	t := s.t
+	t.Helper()
+	ctx := ctxFor(t, 2*time.Minute)
 	require.Eventually(t, func() bool {
 		c, err := s.js.Consumer(ctx, "AGENT_TURNS", consumer.DefaultDurable)
 		if err != nil {
@@ -96,7 +143,5 @@ func TestOperatorDeletesStreams(t *testing.T) {
 		}
 		info, err := c.Info(ctx)
 		return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && info.Delivered.Stream > 0
-	}, time.Minute, 20*time.Millisecond, "the workers' durable consumer did not take the new stream's events")
-	s.requireFlowing("deleted-streams")
-	requireNoErrorLogs(t, s.relay, s.worker)
+	}, time.Minute, 20*time.Millisecond, "the workers' durable consumer did not take every event of the turns stream")
 }
