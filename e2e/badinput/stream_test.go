@@ -80,14 +80,28 @@ func TestOperatorDeletesStreams(t *testing.T) {
 	stop = make(chan struct{})
 
 	s.requireAnswered(time.Minute, outcomesGone)
-	// Every row committed after the turns stream was deleted has its event in the new one.
-	published := map[string]bool{}
-	for _, m := range s.readStream("AGENT_TURNS") {
-		published[m.Header.Get(nats.MsgIdHdr)] = true
-	}
-	for _, id := range testsvc.Query[int64](t, s.db, `SELECT id FROM agent_outbox WHERE created_at > $1`, turnsGone) {
-		require.True(t, published[fmt.Sprintf("turn:%d", id)], "outbox %d committed after the deletion has no event", id)
-	}
+	// Every row committed after the turns stream was deleted has its event in the new one (in
+	// time: a batch of turn events may still be open while outcomes published after them are
+	// stored).
+	rows := testsvc.Query[int64](t, s.db, `SELECT id FROM agent_outbox WHERE created_at > $1`, turnsGone)
+	var missing []int64
+	require.Eventually(t, func() bool {
+		msgs, err := s.tryReadStream("AGENT_TURNS")
+		if err != nil {
+			return false
+		}
+		published := map[string]bool{}
+		for _, m := range msgs {
+			published[m.Header.Get(nats.MsgIdHdr)] = true
+		}
+		missing = missing[:0]
+		for _, id := range rows {
+			if !published[fmt.Sprintf("turn:%d", id)] {
+				missing = append(missing, id)
+			}
+		}
+		return len(missing) == 0
+	}, time.Minute, 20*time.Millisecond, "outbox rows committed after the deletion have no event")
 	// And the workers took and acked every event of the new stream.
 	s.requireEventsAcked()
 	s.requireFlowing("deleted-streams")
