@@ -51,6 +51,10 @@ func (s *jetStreamSource) consume(ctx context.Context) error {
 		if err := s.consumeOnce(ctx, js); err != nil || ctx.Err() != nil {
 			return err
 		}
+		if w.cfg.NATS.IsClosed() { // closed by its owner: nothing to consume from any more
+			<-ctx.Done()
+			return nil
+		}
 		w.cfg.Logger.Warn("turn events stopped: the durable consumer or its stream was deleted; creating the consumer again",
 			"stream", w.cfg.Stream, "durable", w.cfg.Durable)
 		if !sleep(ctx, w.clock, 100*time.Millisecond) {
