@@ -10,6 +10,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"golang.org/x/sync/errgroup"
 
@@ -51,9 +52,8 @@ func (s *jetStreamSource) consume(ctx context.Context) error {
 		if err := s.consumeOnce(ctx, js); err != nil || ctx.Err() != nil {
 			return err
 		}
-		if w.cfg.NATS.IsClosed() { // closed by its owner: nothing to consume from any more
-			<-ctx.Done()
-			return nil
+		if err := closedForGood(w); err != nil {
+			return err
 		}
 		w.cfg.Logger.Warn("turn events stopped: the durable consumer or its stream was deleted; creating the consumer again",
 			"stream", w.cfg.Stream, "durable", w.cfg.Durable)
@@ -91,6 +91,9 @@ func (s *jetStreamSource) consumeOnce(ctx context.Context, js jetstream.JetStrea
 		}
 		if ctx.Err() != nil {
 			return nil
+		}
+		if err := closedForGood(w); err != nil {
+			return err
 		}
 		w.cfg.Logger.Info("waiting for the turns stream (the relay creates it)", "stream", w.cfg.Stream, "error", err)
 		if !sleep(ctx, w.clock, wait) {
@@ -130,6 +133,22 @@ func (s *jetStreamSource) consumeOnce(ctx context.Context, js jetstream.JetStrea
 	cc.Stop()
 	<-cc.Closed()
 	return nil
+}
+
+// closedForGood returns an error wrapping nats.ErrConnectionClosed when the worker's NATS
+// connection is closed: nats.go closes it for good when the server refuses the login again on
+// a reconnect (a rotated password, a revoked user), and its owner may close it. No event can
+// come any more; Run ends with the error so the program exits and its supervisor restarts it,
+// rather than a worker that looks alive and answers only what its sweep finds.
+func closedForGood(w *Worker) error {
+	if !w.cfg.NATS.IsClosed() {
+		return nil
+	}
+	err := nats.ErrConnectionClosed
+	if last := w.cfg.NATS.LastError(); last != nil {
+		err = fmt.Errorf("%w (last error: %w)", err, last)
+	}
+	return fmt.Errorf("turn events: %w", err)
 }
 
 // consumeHeartbeat is how often the server sends the workers' pull requests a heartbeat while
