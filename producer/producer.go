@@ -176,13 +176,17 @@ func (p *Producer) SendTx(ctx context.Context, tx pgx.Tx, msg Message) (Result, 
 // statement's snapshot. (Answering retries from this statement too, with a UNION over messages,
 // cost about a fifth of the throughput of new messages, the case that matters.)
 //
+// ON CONFLICT names no index: messages has two unique ones, id and (conversation_id, id,
+// role), which the outbox's foreign key references, and a concurrent retry of the same id may
+// meet either first. With ON CONFLICT (id) it failed with a unique violation on the other.
+//
 // A missing conversation fails the foreign key messages_conversation_id_fkey, checked at the
 // end of the statement; the statement then writes nothing.
 const insertSQL = `
 WITH m AS (
 	INSERT INTO {messages} (id, conversation_id, role, content)
 	VALUES ($1, $2, 'user', $3)
-	ON CONFLICT (id) DO NOTHING
+	ON CONFLICT DO NOTHING
 	RETURNING id, conversation_id
 )
 INSERT INTO {agent_outbox} (conversation_id, message_id)
