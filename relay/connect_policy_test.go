@@ -30,6 +30,7 @@ func TestConnectError(t *testing.T) {
 		{"invalid authorization specification", refused("28000"), true},
 		{"database does not exist", refused("3D000"), true},
 		{"no CONNECT privilege", refused("42501"), true},
+		{"unknown setting in the URL", refused("42704"), true},
 		{"server starting up or shutting down", refused("57P03"), false},
 		{"too many connections", refused("53300"), false},
 		{"admin shutdown", refused("57P01"), false},

@@ -45,6 +45,7 @@ var connectRefusals = map[string]string{
 	"28000": "check the user name, that the role exists and may log in, and pg_hba.conf",        // invalid_authorization_specification
 	"3D000": "create the database and run `baton migrate`, or fix the database name in the URL", // invalid_catalog_name
 	"42501": "grant the role CONNECT on the database (GRANT CONNECT ON DATABASE ... TO ...)",    // insufficient_privilege
+	"42704": "remove the parameter the server does not know from the database URL",              // undefined_object
 }
 
 // connectError wraps a failed connection attempt. A refusal no retry changes (connectRefusals:
