@@ -25,7 +25,7 @@
 // without closing: a half-open peer). The schedule is drawn up front from the seed
 // (-chaos.seed; a random one, printed, when zero) and logged as it runs, so a seed replays
 // the same faults at the same offsets; a failing run prints its seed.
-// -chaos.duration (default 2m) is how long the load and the faults last; setup, drain and
+// -chaos.duration (default 2m20s) is how long the load and the faults last; setup, drain and
 // checks add about a minute.
 //
 // Then the faults stop, every fault is healed, and the run drains (2 minutes at most) and

@@ -54,9 +54,9 @@ func (p *proc) start(t *testing.T) {
 	if p.cmd != nil {
 		t.Fatalf("%s: already running", p.name)
 	}
-	cmd := exec.Command(p.bin, p.args...) //nolint:gosec // G204: a program of this module, built by the test
+	cmd := exec.Command(p.bin, p.args...)
 	cmd.Env = append(os.Environ(), p.env...)
-	fmt.Fprintf(p.log, "--- chaos: start #%d\n", p.starts+1)
+	p.log.note("start #%d", p.starts+1)
 	cmd.Stderr = p.log
 	if p.stdoutLine != nil {
 		cmd.Stdout = &lineWriter{line: p.stdoutLine}
@@ -74,7 +74,7 @@ func (p *proc) start(t *testing.T) {
 		p.status = err
 		if !p.expecting {
 			p.crashes = append(p.crashes, fmt.Sprintf("%s (pid %d) exited on its own: %v", p.name, cmd.Process.Pid, err))
-			fmt.Fprintf(p.log, "--- chaos: exited on its own: %v\n", err)
+			p.log.note("exited on its own: %v", err)
 		}
 		if p.cmd == cmd {
 			p.cmd = nil
@@ -120,7 +120,7 @@ func (p *proc) signal(sig syscall.Signal, expect bool) (<-chan struct{}, error) 
 	case syscall.SIGCONT:
 		p.stopped = false
 	}
-	fmt.Fprintf(p.log, "--- chaos: %v\n", sig)
+	p.log.note("%v", sig)
 	if err := p.cmd.Process.Signal(sig); err != nil {
 		return nil, fmt.Errorf("%s: signal %v: %w", p.name, sig, err)
 	}
@@ -157,7 +157,7 @@ func (p *proc) terminate() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.status != nil {
-		return fmt.Errorf("%s exited with %v after SIGTERM, want 0", p.name, p.status)
+		return fmt.Errorf("%s exited after SIGTERM with %w, want 0", p.name, p.status)
 	}
 	return nil
 }
@@ -228,7 +228,7 @@ type tail struct {
 	max int
 }
 
-func newTail(max int) *tail { return &tail{max: max} }
+func newTail(limit int) *tail { return &tail{max: limit} }
 
 func (w *tail) Write(b []byte) (int, error) {
 	w.mu.Lock()
@@ -256,11 +256,9 @@ func (w *tail) lines(n int) string {
 	return string(b)
 }
 
-// contains reports whether the kept log holds s.
-func (w *tail) contains(s string) bool {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return bytes.Contains(w.buf, []byte(s))
+// note writes a line of the test's own into the log, marked as such.
+func (w *tail) note(format string, args ...any) {
+	_, _ = w.Write([]byte("--- chaos: " + fmt.Sprintf(format, args...) + "\n"))
 }
 
 // lineWriter calls line for every complete line written to it.

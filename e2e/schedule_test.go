@@ -68,7 +68,7 @@ var proxied = []string{"relay-0", "relay-1", "worker-0", "worker-1", "worker-2",
 // schedule. Faults follow each other (each one healed before the next, a gap of 1-3s
 // between), and the last ends by length.
 func schedule(seed uint64, length time.Duration) []fault {
-	r := rand.New(rand.NewPCG(seed, 0x6261746f6e)) //nolint:gosec // G404: a reproducible schedule, not a secret
+	r := rand.New(rand.NewPCG(seed, 0x6261746f6e))
 	total := 0
 	for _, w := range faultWeights {
 		total += w.weight

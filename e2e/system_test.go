@@ -16,7 +16,6 @@ import (
 
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/migrations"
-	"github.com/batonhq/baton/wire"
 )
 
 // The workers' settings: a short lease, recovery interval and ack wait, so that the turns of
@@ -85,6 +84,7 @@ func (l *outcomeLog) snapshot() []subscriberLine {
 // subscriber, and waits until a relay streams.
 func startSystem(t *testing.T, ctx context.Context) *system {
 	t.Helper()
+	began := time.Now()
 	pg, err := testsvc.StartPostgres(ctx)
 	if err != nil {
 		t.Fatalf("start postgres: %v", err)
@@ -124,9 +124,10 @@ func startSystem(t *testing.T, ctx context.Context) *system {
 	t.Cleanup(nc.Close)
 
 	s := &system{t: t, pg: pg, nats: n, pool: pool, nc: nc, named: map[string]*proc{}}
-	baton := testsvc.Binary(t, "github.com/batonhq/baton/cmd/baton")
-	echoagent := testsvc.Binary(t, "github.com/batonhq/baton/examples/echoagent")
-	subscriber := testsvc.Binary(t, "github.com/batonhq/baton/examples/subscriber")
+	bins := testsvc.Binaries(t, "github.com/batonhq/baton/cmd/baton", "github.com/batonhq/baton/examples/echoagent",
+		"github.com/batonhq/baton/examples/subscriber")
+	baton, echoagent, subscriber := bins[0], bins[1], bins[2]
+	t.Logf("postgres up and migrated, programs built: %v", time.Since(began).Round(time.Millisecond))
 
 	natsTarget := fmt.Sprintf("127.0.0.1:%d", n.Port)
 	pgTarget := fmt.Sprintf("127.0.0.1:%d", pg.Port)
@@ -257,9 +258,3 @@ func (s *system) logs(n int) string {
 	}
 	return b.String()
 }
-
-// natsURL is the test's own, unproxied NATS URL.
-func (s *system) natsURL() string { return s.nats.URL() }
-
-// subjectPrefix is the default one every process uses.
-const subjectPrefix = wire.DefaultSubjectPrefix
