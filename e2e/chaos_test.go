@@ -56,19 +56,10 @@ func TestChaos(t *testing.T) {
 	t.Logf("load and faults done after %v: %d messages accepted, %d send retries", time.Since(start).Round(time.Millisecond), len(sent), l.retries.Load())
 	drained := time.Now()
 
-	c := &checker{t: t, s: s, ctx: ctx}
+	c := newChecker(t, ctx, s)
 	c.failures = append(c.failures, defects...)
 	c.failures = append(c.failures, l.failures...)
-	if c.drain(len(sent), drainTimeout) {
-		c.check(sent)
-		c.awaitSubscriber()
-		c.checkSubscriber()
-		c.checkStreams()
-		c.checkLeaks(baseline)
-	}
-	for _, p := range s.procs {
-		c.failures = append(c.failures, p.takeCrashes()...)
-	}
+	c.all(sent, baseline, drainTimeout)
 	t.Logf("drained and checked in %v", time.Since(drained).Round(time.Millisecond))
 
 	kinds := make([]string, 0, len(counts))
@@ -115,10 +106,36 @@ type checker struct {
 	t   *testing.T
 	s   *system
 	ctx context.Context
+	// wait bounds each wait for the system to get somewhere (the subscriber, the slot, the
+	// acks, idle processes), once drained.
+	wait time.Duration
 
 	failures                              []string
 	replies, visibleErrors, lost, doubled int
 	nonUser                               map[string]string // reply message id -> conversation
+}
+
+func newChecker(t *testing.T, ctx context.Context, s *system) *checker {
+	return &checker{t: t, s: s, ctx: ctx, wait: time.Minute}
+}
+
+// all drains the system and runs every check.
+func (c *checker) all(sent []accepted, baseline map[string]float64, drainWithin time.Duration) {
+	if c.drain(len(sent), drainWithin) {
+		c.check(sent)
+		c.awaitSubscriber()
+		c.checkSubscriber(c.s.outcomes.snapshot())
+		c.checkStreams()
+		c.checkLeaks(baseline)
+	}
+	c.checkCrashes()
+}
+
+// checkCrashes records every exit of a process the test did not cause.
+func (c *checker) checkCrashes() {
+	for _, p := range c.s.procs {
+		c.failures = append(c.failures, p.takeCrashes()...)
+	}
 }
 
 func (c *checker) fail(format string, args ...any) {
@@ -282,7 +299,7 @@ func echoParts(reply string) []string {
 
 // awaitSubscriber waits until the subscriber printed every reply and error message.
 func (c *checker) awaitSubscriber() {
-	deadline := time.Now().Add(time.Minute)
+	deadline := time.Now().Add(c.wait)
 	for {
 		seen := map[string]bool{}
 		for _, l := range c.s.outcomes.snapshot() {
@@ -298,7 +315,7 @@ func (c *checker) awaitSubscriber() {
 			return
 		}
 		if time.Now().After(deadline) {
-			c.fail("the subscriber has not printed %d of %d outcomes after a minute", missing, len(c.nonUser))
+			c.fail("the subscriber has not printed %d of %d outcomes after %v", missing, len(c.nonUser), c.wait)
 			return
 		}
 		time.Sleep(200 * time.Millisecond)
@@ -307,8 +324,7 @@ func (c *checker) awaitSubscriber() {
 
 // checkSubscriber checks that the subscriber printed each outcome once, nothing else, and
 // each conversation's in commit order.
-func (c *checker) checkSubscriber() {
-	lines := c.s.outcomes.snapshot()
+func (c *checker) checkSubscriber(lines []subscriberLine) {
 	c.s.outcomes.mu.Lock()
 	for _, b := range c.s.outcomes.bad {
 		c.fail("subscriber printed an unreadable line: %q", b)
@@ -362,7 +378,7 @@ func (c *checker) checkStreams() {
 		c.fail("read wal position: %v", err)
 		return
 	}
-	deadline := time.Now().Add(time.Minute)
+	deadline := time.Now().Add(c.wait)
 	for {
 		var caught bool
 		var confirmed *string
@@ -372,7 +388,7 @@ func (c *checker) checkStreams() {
 			break
 		}
 		if time.Now().After(deadline) {
-			c.fail("the slot's confirmed LSN %v has not reached %s after a minute (err %v)", confirmed, target, err)
+			c.fail("the slot's confirmed LSN %v has not reached %s after %v (err %v)", confirmed, target, c.wait, err)
 			break
 		}
 		time.Sleep(200 * time.Millisecond)
@@ -383,9 +399,9 @@ func (c *checker) checkStreams() {
 		c.fail("jetstream: %v", err)
 		return
 	}
-	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(c.ctx, c.wait+10*time.Second)
 	defer cancel()
-	deadline = time.Now().Add(30 * time.Second)
+	deadline = time.Now().Add(c.wait)
 	for {
 		cons, err := js.Consumer(ctx, "AGENT_TURNS", "baton-workers")
 		var info *jetstream.ConsumerInfo
@@ -420,7 +436,7 @@ const goroutineSlack = 25
 
 // checkLeaks checks the processes' goroutines and connections, once idle again.
 func (c *checker) checkLeaks(baseline map[string]float64) {
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := time.Now().Add(c.wait)
 	for {
 		var problems []string
 		for _, p := range c.s.procs {
