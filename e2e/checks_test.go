@@ -42,10 +42,15 @@ func TestChaosChecksCatchDefects(t *testing.T) {
 		_, err := s.pool.Exec(ctx, sql, args...)
 		require.NoError(t, err, sql)
 	}
-	first := sent[0]
+	// The planted defects go to a request whose runs recorded no write operation (a visible
+	// error there is never justified by one).
 	var firstOutbox int64
-	var firstReply string
-	require.NoError(t, s.pool.QueryRow(ctx, `SELECT id, reply_id FROM agent_outbox WHERE message_id = $1`, first.id).Scan(&firstOutbox, &firstReply))
+	var firstID, firstReply string
+	require.NoError(t, s.pool.QueryRow(ctx, `SELECT o.id, o.message_id, o.reply_id FROM agent_outbox o
+		WHERE NOT EXISTS (SELECT 1 FROM agent_runs r JOIN operations op ON op.run_id = r.run_id AND op.effect = 'write'
+			WHERE o.id = ANY (r.outbox_ids))
+		ORDER BY o.id LIMIT 1`).Scan(&firstOutbox, &firstID, &firstReply))
+	first := sent[slices.IndexFunc(sent, func(a accepted) bool { return a.id == firstID })]
 	// A second conversation's two outcomes, for the order.
 	var twice string
 	for _, ln := range lines {

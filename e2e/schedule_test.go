@@ -124,7 +124,8 @@ func schedule(seed uint64, length time.Duration) []fault {
 		case faultReset:
 			f.Target = path
 		case faultFreeze:
-			f.Target, f.For = path, between(time.Second, 10*time.Second)
+			// Up to past the relay's liveness timeout (10s), after which it reconnects.
+			f.Target, f.For = path, between(time.Second, 15*time.Second)
 		}
 		end := at + f.For + cost
 		if end > length {

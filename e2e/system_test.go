@@ -161,7 +161,7 @@ func startSystem(t *testing.T, ctx context.Context) *system {
 		r.env = append(r.env, "BATON_FATAL_LINGER=0")
 	}
 	for i := range 3 {
-		args := []string{"--source", "jetstream", "--model-latency", "20ms",
+		args := []string{"--source", "jetstream", "--model-latency", "100ms",
 			"--lease", workerLease.String(), "--recovery-interval", "1s", "--ack-wait", "5s",
 			"--shutdown-grace", "3s", "--max-attempts", fmt.Sprint(workerMaxAttempts)}
 		if i == 2 {
