@@ -9,10 +9,10 @@
 //
 // TestChaos starts a throwaway PostgreSQL and a NATS server with JetStream, two `baton relay`
 // processes (one streams, the other stands by on the slot's advisory lock), three
-// examples/echoagent workers (model latency, the read tool; the third also calls the write
+// examples/echoagent workers (100ms model latency, the read tool; the third also calls the write
 // tool; a 3s lease) and examples/subscriber --json. Each process reaches Postgres and NATS
 // through TCP proxies of its own (internal/testsvc.Proxy), so network faults hit one process
-// at a time. Producers in the test send about 40 messages a second over 140 conversations,
+// at a time. Producers in the test send about 40 messages a second over 139 conversations,
 // some with ids that NATS subjects, headers or logs could mistake for something else
 // (wildcards, dots, spaces, control characters, non-ASCII, 200 bytes), and retry every
 // failed send with the same message id until it is accepted.
@@ -47,4 +47,10 @@
 // It ends with one line of figures (shown with -v or on failure):
 //
 //	chaos: messages=4700 faults=freeze:3,kill:4,... replies=4650 visible_errors=50 lost=0 doubled=0 seed=1234
+//
+// TestChaosChecksCatchDefects runs the same system briefly without faults, then plants one
+// defect at a time (a lost reply, a second reply, an unjustified visible error, a doubled
+// write, overlapping runs, a row left processing, an outcome printed twice or out of order,
+// a dead-letter record, a leaked connection, a process that died) and requires the checks to
+// report each: a check that cannot fail would let a chaos run pass whatever Baton did.
 package e2e
