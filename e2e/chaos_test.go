@@ -36,8 +36,12 @@ func TestChaos(t *testing.T) {
 		}
 	})
 	faults := schedule(seed, *chaosDuration)
+	background := backgroundSchedule(seed, *chaosDuration)
 	for _, f := range faults {
 		t.Logf("scheduled %v", f)
+	}
+	for _, f := range background {
+		t.Logf("scheduled in the background %v", f)
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), *chaosDuration+drainTimeout+5*time.Minute)
 	defer cancel()
@@ -49,7 +53,12 @@ func TestChaos(t *testing.T) {
 
 	l := s.startLoad(ctx)
 	start := time.Now()
+	bgDone := make(chan map[string]int, 1)
+	go func() { bgDone <- s.runBackground(ctx, start, background) }() // ends with the schedule
 	counts, defects := s.runFaults(ctx, start, faults)
+	for k, n := range <-bgDone {
+		counts[k] += n
+	}
 	sleep(ctx, time.Until(start.Add(*chaosDuration)))
 	sent := l.finish()
 	s.heal(ctx)

@@ -22,9 +22,10 @@
 // SIGSTOP/SIGCONT, NATS stopped and started on the same store, Postgres fast and immediate
 // shutdown and start, termination of the slot's walsender, and on one process's path to
 // Postgres or NATS: added latency, reset connections, or a freeze (the path holds every byte
-// without closing: a half-open peer). The schedule is drawn up front from the seed
-// (-chaos.seed; a random one, printed, when zero) and logged as it runs, so a seed replays
-// the same faults at the same offsets; a failing run prints its seed.
+// without closing: a half-open peer). Beside them, overlapping, a background schedule slows
+// one path at a time for 5-20s or resets its connections. The schedules are drawn up front
+// from the seed (-chaos.seed; a random one, printed, when zero) and logged as they run, so a
+// seed replays the same faults at the same offsets; a failing run prints its seed.
 // -chaos.duration (default 2m20s) is how long the load and the faults last; setup, drain and
 // checks add about a minute.
 //

@@ -34,6 +34,25 @@ func (s *system) runFaults(ctx context.Context, start time.Time, faults []fault)
 	return counts, defects
 }
 
+// runBackground injects the background schedule's faults (proxy faults only, which are safe
+// to run beside the main schedule's) until it ends or ctx does, and counts them into counts
+// under "bg-<kind>".
+func (s *system) runBackground(ctx context.Context, start time.Time, faults []fault) map[string]int {
+	counts := map[string]int{}
+	for _, f := range faults {
+		if !sleep(ctx, time.Until(start.Add(f.At))) {
+			break
+		}
+		what, err := s.inject(ctx, f)
+		s.t.Logf("background fault %v%s", f, what)
+		if err != nil {
+			s.t.Logf("background fault %v: %v", f, err)
+		}
+		counts["bg-"+f.Kind]++
+	}
+	return counts
+}
+
 // inject runs one fault to its end (what it broke is healed when it returns) and describes
 // what it hit.
 func (s *system) inject(ctx context.Context, f fault) (string, error) {

@@ -136,6 +136,35 @@ func schedule(seed uint64, length time.Duration) []fault {
 	}
 }
 
+// backgroundSchedule draws, from the same seed, the faults that overlap the main schedule's:
+// stretches of latency on one process's path to Postgres or NATS, and connection resets,
+// one at a time, whatever the main schedule does meanwhile (a main-schedule latency fault on
+// the same path ends the overlapping one early).
+func backgroundSchedule(seed uint64, length time.Duration) []fault {
+	r := rand.New(rand.NewPCG(seed, 0x6f7665726c6170))
+	between := func(lo, hi time.Duration) time.Duration {
+		return lo + time.Duration(r.Int64N(int64(hi-lo)/int64(100*time.Millisecond)+1))*100*time.Millisecond
+	}
+	var out []fault
+	at := scheduleWarmup + between(0, 10*time.Second)
+	for {
+		proc := proxied[r.IntN(len(proxied))]
+		path := proc + "/nats"
+		if proc != "subscriber" && r.IntN(2) == 0 {
+			path = proc + "/pg"
+		}
+		f := fault{At: at, Kind: faultReset, Target: path}
+		if r.IntN(3) > 0 {
+			f.Kind, f.For, f.Latency = faultLatency, between(5*time.Second, 20*time.Second), between(10*time.Millisecond, 80*time.Millisecond)
+		}
+		if at+f.For > length {
+			return out
+		}
+		out = append(out, f)
+		at += f.For + between(5*time.Second, 15*time.Second)
+	}
+}
+
 func TestScheduleReplaysFromItsSeed(t *testing.T) {
 	t.Parallel()
 	a := schedule(42, 3*time.Minute)
@@ -153,4 +182,16 @@ func TestScheduleReplaysFromItsSeed(t *testing.T) {
 		}
 	}
 	require.Len(t, kinds, len(faultWeights), "every kind is drawn")
+
+	bg := backgroundSchedule(42, 3*time.Minute)
+	require.Equal(t, bg, backgroundSchedule(42, 3*time.Minute))
+	require.NotEqual(t, bg, backgroundSchedule(43, 3*time.Minute))
+	require.Greater(t, len(bg), 3)
+	for i, f := range bg {
+		require.Contains(t, []string{faultLatency, faultReset}, f.Kind)
+		require.LessOrEqual(t, f.At+f.For, 3*time.Minute)
+		if i > 0 {
+			require.GreaterOrEqual(t, f.At, bg[i-1].At+bg[i-1].For, "one at a time")
+		}
+	}
 }
