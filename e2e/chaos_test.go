@@ -86,26 +86,32 @@ func TestChaos(t *testing.T) {
 }
 
 // idleGoroutines returns, per kind of process, the most goroutines one of its processes runs
-// while idle, before the load.
+// while idle, before the load: the most of three samples over a second, once every process
+// answers (a worker still starting its consumer runs fewer).
 func (s *system) idleGoroutines(ctx context.Context) map[string]float64 {
 	out := map[string]float64{}
-	for _, p := range s.procs {
-		if p.metricsAddr == "" {
-			continue
+	for round := range 3 {
+		if round > 0 {
+			time.Sleep(500 * time.Millisecond)
 		}
-		var v float64
-		deadline := time.Now().Add(30 * time.Second)
-		for {
-			var err error
-			if v, err = p.metric(ctx, "go_goroutines"); err == nil {
-				break
+		for _, p := range s.procs {
+			if p.metricsAddr == "" {
+				continue
 			}
-			if time.Now().After(deadline) {
-				s.t.Fatalf("%s: %v", p.name, err)
+			var v float64
+			deadline := time.Now().Add(30 * time.Second)
+			for {
+				var err error
+				if v, err = p.metric(ctx, "go_goroutines"); err == nil {
+					break
+				}
+				if time.Now().After(deadline) {
+					s.t.Fatalf("%s: %v", p.name, err)
+				}
+				time.Sleep(100 * time.Millisecond)
 			}
-			time.Sleep(100 * time.Millisecond)
+			out[p.kind] = max(out[p.kind], v)
 		}
-		out[p.kind] = max(out[p.kind], v)
 	}
 	return out
 }
@@ -441,14 +447,15 @@ func (c *checker) checkStreams() {
 
 // goroutineSlack is how many goroutines above its kind's idle count before the load a process
 // may run once the system is idle again: pools that grew under load keep connections.
-const goroutineSlack = 25
+const goroutineSlack = 15
 
 // checkLeaks checks the processes' goroutines and connections, once idle again.
 func (c *checker) checkLeaks(baseline map[string]float64) {
 	deadline := time.Now().Add(c.wait)
 	for {
-		var problems []string
+		var problems, seen []string
 		for _, p := range c.s.procs {
+			figures := p.name + ":"
 			if p.metricsAddr != "" {
 				n, err := p.metric(c.ctx, "go_goroutines")
 				if err != nil {
@@ -456,21 +463,28 @@ func (c *checker) checkLeaks(baseline map[string]float64) {
 				} else if n > baseline[p.kind]+goroutineSlack {
 					problems = append(problems, fmt.Sprintf("%s runs %.0f goroutines, %.0f when idle before the load", p.name, n, baseline[p.kind]))
 				}
+				figures += fmt.Sprintf(" goroutines=%.0f", n)
 			}
-			if n := p.nats.Conns(); n != 1 {
+			n := p.nats.Conns()
+			if n != 1 {
 				problems = append(problems, fmt.Sprintf("%s has %d connections to NATS, want 1", p.name, n))
 			}
+			figures += fmt.Sprintf(" nats=%d", n)
 			if p.pg != nil {
 				bound := workerPoolMax
 				if p.kind == "relay" {
 					bound = relayConnsMax
 				}
-				if n := p.pg.Conns(); n > bound || n == 0 {
+				n := p.pg.Conns()
+				if n > bound || n == 0 {
 					problems = append(problems, fmt.Sprintf("%s has %d connections to Postgres, want 1 to %d", p.name, n, bound))
 				}
+				figures += fmt.Sprintf(" pg=%d", n)
 			}
+			seen = append(seen, figures)
 		}
 		if len(problems) == 0 {
+			c.t.Logf("idle again: %s (idle before the load: %v goroutines)", strings.Join(seen, ", "), baseline)
 			return
 		}
 		if time.Now().After(deadline) {
