@@ -62,7 +62,8 @@ func TestChaos(t *testing.T) {
 	sleep(ctx, time.Until(start.Add(*chaosDuration)))
 	sent := l.finish()
 	s.heal(ctx)
-	t.Logf("load and faults done after %v: %d messages accepted, %d send retries", time.Since(start).Round(time.Millisecond), len(sent), l.retries.Load())
+	t.Logf("load and faults done after %v: %d messages accepted, %d send retries, %d of them found their message already accepted",
+		time.Since(start).Round(time.Millisecond), len(sent), l.retries.Load(), l.again.Load())
 	drained := time.Now()
 
 	c := newChecker(t, ctx, s)

@@ -43,7 +43,8 @@ type load struct {
 	mu       sync.Mutex
 	accepted []accepted
 	retries  atomic.Int64
-	failures []string // sends that can never succeed (a conflict): a defect
+	again    atomic.Int64 // retries that found their message already accepted
+	failures []string     // sends that can never succeed (a conflict): a defect
 }
 
 // conversations returns every conversation id of the run.
@@ -116,10 +117,13 @@ func (s *system) startLoad(ctx context.Context) *load {
 func (l *load) send(ctx context.Context, p *producer.Producer, s *system, m producer.Message) bool {
 	for {
 		cctx, cancel := context.WithTimeout(ctx, sendCallTimeout)
-		_, err := p.Send(cctx, s.pool, m)
+		res, err := p.Send(cctx, s.pool, m)
 		cancel()
 		switch {
 		case err == nil:
+			if res.AlreadyAccepted {
+				l.again.Add(1) // an earlier try committed, its answer lost
+			}
 			return true
 		case errors.Is(err, producer.ErrConflict), errors.Is(err, producer.ErrInvalidInput),
 			errors.Is(err, producer.ErrConversationNotFound):
