@@ -381,7 +381,19 @@ func (c *checker) checkSubscriber(lines []subscriberLine) {
 	}
 	for conv, ids := range want {
 		if !slices.Equal(ids, got[conv]) {
-			c.fail("conversation %q: the subscriber printed its outcomes as %v, they committed as %v", conv, got[conv], ids)
+			i := 0
+			for i < min(len(ids), len(got[conv])) && ids[i] == got[conv][i] {
+				i++
+			}
+			printed, committed := "nothing", "nothing"
+			if i < len(got[conv]) {
+				printed = got[conv][i]
+			}
+			if i < len(ids) {
+				committed = ids[i]
+			}
+			c.fail("conversation %q: the subscriber printed its outcomes out of commit order: %d printed, %d committed; the %d-th printed is %s, the %d-th committed %s",
+				conv, len(got[conv]), len(ids), i+1, printed, i+1, committed)
 		}
 	}
 }

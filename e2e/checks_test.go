@@ -104,7 +104,7 @@ func TestChaosChecksCatchDefects(t *testing.T) {
 		{"an outcome printed twice", "printed outcome", nil, func(c *checker) {
 			c.checkSubscriber(append(slices.Clone(lines), lines[0]))
 		}},
-		{"outcomes printed out of order", "printed its outcomes as", nil, func(c *checker) {
+		{"outcomes printed out of order", "out of commit order", nil, func(c *checker) {
 			swapped := slices.Clone(lines)
 			i := slices.IndexFunc(swapped, func(l subscriberLine) bool { return l.ConversationID == twice })
 			j := i + 1 + slices.IndexFunc(swapped[i+1:], func(l subscriberLine) bool { return l.ConversationID == twice })
