@@ -11,13 +11,26 @@ GOLANGCI_LINT_VERSION := v2.15.0
 GOLANGCI_LINT ?= $(firstword $(subst :, ,$(shell $(GO) env GOPATH)))/bin/golangci-lint
 
 .DEFAULT_GOAL := help
-.PHONY: conflict-check help test lint fmt-check vet golangci-lint golangci-lint-install bench demo build
+.PHONY: conflict-check help test lint fmt-check vet golangci-lint golangci-lint-install bench demo build fuzz
 
 help: ## list the targets
 	@awk 'BEGIN { FS = ":.*## " } /^[a-zA-Z_-]+:.*## / { printf "  %-8s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
-test: lint ## make lint, then every test with the race detector (needs PostgreSQL server binaries)
+test: lint ## make lint, every test with the race detector (needs PostgreSQL server binaries), make fuzz
 	$(GO) test -race -count=1 -timeout 20m ./...
+	$(MAKE) --no-print-directory fuzz
+
+# Each fuzz target runs FUZZTIME on top of its seeds and its checked-in corpus
+# (testdata/fuzz/<target>/). A failure writes the failing input there: commit it with the fix.
+# The targets are found in the tracked test files, so a new one runs without a change here.
+FUZZTIME ?= 10s
+fuzz: ## run every fuzz target for FUZZTIME (default 10s) each
+	@set -e; for dir in $$(git ls-files '*_test.go' | xargs grep -l '^func Fuzz' | xargs -n1 dirname | sort -u); do \
+		for target in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$dir/*_test.go); do \
+			echo "$(GO) test -run '^\$$' -fuzz '^$$target\$$' -fuzztime $(FUZZTIME) ./$$dir"; \
+			$(GO) test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) ./$$dir; \
+		done; \
+	done
 
 lint: fmt-check conflict-check vet golangci-lint ## gofmt check, leftover merge markers, go vet and golangci-lint (.golangci.yml)
 

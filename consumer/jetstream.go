@@ -10,6 +10,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"golang.org/x/sync/errgroup"
 
@@ -35,68 +36,140 @@ func (s *jetStreamSource) run(ctx context.Context) error {
 }
 
 // consume feeds turn events from the durable consumer to the conversation loops until ctx
-// ends. It waits for the stream, which the relay creates.
+// ends. It waits for the stream, which the relay creates. When consuming ends on its own (an
+// operator deleted the durable consumer, or the turns stream, which the relay creates again at
+// its next publish), it creates the consumer again: without it only the sweep would find new
+// rows, one claim per conversation every SweepInterval. Events deleted with a stream are gone;
+// their rows stay pending in Postgres, where the sweep and the conversation's next claim find
+// them.
 func (s *jetStreamSource) consume(ctx context.Context) error {
 	w := s.w
 	js, err := jetstream.New(w.cfg.NATS)
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
 	}
-	var stream jetstream.Stream
+	for {
+		if err := s.consumeOnce(ctx, js); err != nil || ctx.Err() != nil {
+			return err
+		}
+		if err := closedForGood(w); err != nil {
+			return err
+		}
+		w.cfg.Logger.Warn("turn events stopped: the durable consumer or its stream was deleted; creating the consumer again",
+			"stream", w.cfg.Stream, "durable", w.cfg.Durable)
+		if !sleep(ctx, w.clock, 100*time.Millisecond) {
+			return nil
+		}
+	}
+}
+
+// consumeOnce creates the durable consumer, once the stream exists, and feeds its events to
+// the conversation loops until ctx ends or consuming stops on its own (the consumer was
+// deleted).
+func (s *jetStreamSource) consumeOnce(ctx context.Context, js jetstream.JetStream) error {
+	w := s.w
+	var cons jetstream.Consumer
 	for wait := 100 * time.Millisecond; ; wait = min(2*wait, 5*time.Second) {
-		stream, err = js.Stream(ctx, w.cfg.Stream)
+		stream, err := js.Stream(ctx, w.cfg.Stream)
 		if err == nil {
-			break
+			cons, err = stream.CreateOrUpdateConsumer(ctx, jetstream.ConsumerConfig{
+				Durable:       w.cfg.Durable,
+				Description:   "Baton workers",
+				FilterSubject: wire.StreamFilter(w.cfg.SubjectPrefix, wire.KindTurns),
+				AckPolicy:     jetstream.AckExplicitPolicy,
+				AckWait:       w.cfg.AckWait,
+				MaxDeliver:    -1, // attempts are capped in Postgres, not by redeliveries
+				MaxAckPending: w.cfg.MaxAckPending,
+				DeliverPolicy: jetstream.DeliverAllPolicy,
+			})
+			if err == nil {
+				break
+			}
+			if !errors.Is(err, jetstream.ErrStreamNotFound) {
+				return fmt.Errorf("create consumer %s: %w", w.cfg.Durable, err)
+			}
 		}
 		if ctx.Err() != nil {
 			return nil
+		}
+		if err := closedForGood(w); err != nil {
+			return err
 		}
 		w.cfg.Logger.Info("waiting for the turns stream (the relay creates it)", "stream", w.cfg.Stream, "error", err)
 		if !sleep(ctx, w.clock, wait) {
 			return nil
 		}
 	}
-	cons, err := stream.CreateOrUpdateConsumer(ctx, jetstream.ConsumerConfig{
-		Durable:       w.cfg.Durable,
-		Description:   "Baton workers",
-		FilterSubject: wire.StreamFilter(w.cfg.SubjectPrefix, wire.KindTurns),
-		AckPolicy:     jetstream.AckExplicitPolicy,
-		AckWait:       w.cfg.AckWait,
-		MaxDeliver:    -1, // attempts are capped in Postgres, not by redeliveries
-		MaxAckPending: w.cfg.MaxAckPending,
-		DeliverPolicy: jetstream.DeliverAllPolicy,
-	})
-	if err != nil {
-		return fmt.Errorf("create consumer %s: %w", w.cfg.Durable, err)
-	}
+	// Consuming reports errors it goes on after: a pull request that found no consumer ("no
+	// responders", when the server's "consumer deleted" notice was lost with a connection or
+	// never sent, as for a client holding no pull request), missed heartbeats. After each, the
+	// consumer is looked up, and created again if gone. Heartbeats every consumeHeartbeat
+	// bound how long a consumer deleted unnoticed goes unnoticed: two of them missed.
+	check := make(chan struct{}, 1)
 	cc, err := cons.Consume(func(msg jetstream.Msg) { s.onEvent(ctx, msg) },
+		jetstream.PullHeartbeat(consumeHeartbeat),
 		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
 			if !errors.Is(err, jetstream.ErrNoHeartbeat) || ctx.Err() == nil {
 				w.cfg.Logger.Warn("consume", "error", err)
+			}
+			select {
+			case check <- struct{}{}:
+			default:
 			}
 		}))
 	if err != nil {
 		return fmt.Errorf("consume %s: %w", w.cfg.Durable, err)
 	}
-	<-ctx.Done()
+	for gone := false; !gone; {
+		select {
+		case <-ctx.Done():
+			gone = true
+		case <-cc.Closed():
+			gone = true
+		case <-check:
+			gone = consumerGone(ctx, cons)
+		}
+	}
 	cc.Stop()
 	<-cc.Closed()
 	return nil
+}
+
+// closedForGood returns an error wrapping nats.ErrConnectionClosed when the worker's NATS
+// connection is closed: nats.go closes it for good when the server refuses the login again on
+// a reconnect (a rotated password, a revoked user), and its owner may close it. No event can
+// come any more; Run ends with the error so the program exits and its supervisor restarts it,
+// rather than a worker that looks alive and answers only what its sweep finds.
+func closedForGood(w *Worker) error {
+	if !w.cfg.NATS.IsClosed() {
+		return nil
+	}
+	err := nats.ErrConnectionClosed
+	if last := w.cfg.NATS.LastError(); last != nil {
+		err = fmt.Errorf("%w (last error: %w)", err, last)
+	}
+	return fmt.Errorf("turn events: %w", err)
+}
+
+// consumeHeartbeat is how often the server sends the workers' pull requests a heartbeat while
+// it has no event for them (nats.go's default is 15s).
+const consumeHeartbeat = 5 * time.Second
+
+// consumerGone reports whether the server says cons, or its stream, does not exist. Any other
+// answer (the server is unreachable, the request timed out) is no reason to create it again.
+func consumerGone(ctx context.Context, cons jetstream.Consumer) bool {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	_, err := cons.Info(ctx)
+	return errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrStreamNotFound)
 }
 
 // onEvent hands a turn event to its conversation's loop. A malformed event is terminated:
 // no redelivery can make it readable.
 func (s *jetStreamSource) onEvent(ctx context.Context, msg jetstream.Msg) {
 	w := s.w
-	id, err := strconv.ParseInt(msg.Headers().Get(wire.HeaderOutboxID), 10, 64)
-	var ev wire.TurnEvent
-	if err == nil {
-		err = json.Unmarshal(msg.Data(), &ev)
-	}
-	if err == nil && !validID(ev.ConversationID) {
-		err = errors.New("conversation id is not 1-200 bytes of text without NUL")
-	}
-	if err != nil || ev.OutboxID != id {
+	ev, err := decodeTurnEvent(msg.Headers().Get(wire.HeaderOutboxID), msg.Data())
+	if err != nil {
 		w.cfg.Logger.Error("malformed turn event; terminating it", "subject", msg.Subject(), "error", err)
 		_ = msg.Term()
 		w.m.events.WithLabelValues("terminated").Inc()
@@ -110,7 +183,28 @@ func (s *jetStreamSource) onEvent(ctx context.Context, msg jetstream.Msg) {
 	if md, err := msg.Metadata(); err == nil {
 		seq = md.Sequence.Stream
 	}
-	w.schedule(ctx, ev.ConversationID, &event{outboxID: id, seq: seq, d: jsDelivery{msg: msg, m: w.m}}, ev.CreatedAt)
+	w.schedule(ctx, ev.ConversationID, &event{outboxID: ev.OutboxID, seq: seq, d: jsDelivery{msg: msg, m: w.m}}, ev.CreatedAt)
+}
+
+// decodeTurnEvent decodes a turn event from its outbox id header and its body, which must
+// agree, and checks its conversation id. Anyone allowed to publish on the turns subjects can
+// send anything; only what the relay could have written gets through.
+func decodeTurnEvent(outboxHeader string, data []byte) (wire.TurnEvent, error) {
+	id, err := strconv.ParseInt(outboxHeader, 10, 64)
+	if err != nil {
+		return wire.TurnEvent{}, fmt.Errorf("header %s: %w", wire.HeaderOutboxID, err)
+	}
+	var ev wire.TurnEvent
+	if err := json.Unmarshal(data, &ev); err != nil {
+		return wire.TurnEvent{}, fmt.Errorf("body: %w", err)
+	}
+	if ev.OutboxID != id {
+		return wire.TurnEvent{}, fmt.Errorf("body names outbox row %d, header %d", ev.OutboxID, id)
+	}
+	if !validID(ev.ConversationID) {
+		return wire.TurnEvent{}, errors.New("conversation id is not 1-200 bytes of text without NUL")
+	}
+	return ev, nil
 }
 
 // validID reports whether id can be a conversation id: 1 to 200 bytes of valid UTF-8 with no

@@ -7,6 +7,7 @@ import (
 
 	"github.com/batonhq/baton/internal/bench"
 	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/natsconn"
 )
 
 // BenchmarkRelay runs `baton bench relay` with its defaults (package internal/bench says what
@@ -24,7 +25,7 @@ func BenchmarkRelay(b *testing.B) {
 	bin := batonBinary(b)
 	rep, err := bench.Run(b.Context(), bench.Config{
 		DatabaseURL:       db.URL,
-		NATSURL:           ns.URL(),
+		NATS:              natsconn.Settings{URL: ns.URL()},
 		NATSInProcess:     !ns.External(),
 		RelayCommand:      []string{bin, "relay"},
 		PlainRelayCommand: []string{bin, "bench", "plain-relay"},

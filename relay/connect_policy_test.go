@@ -2,6 +2,8 @@ package relay
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -34,6 +36,12 @@ func TestConnectError(t *testing.T) {
 		{"connection refused", &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")}, false},
 		{"connection dropped", io.ErrUnexpectedEOF, false},
 		{"timeout", context.DeadlineExceeded, false},
+		{"server certificate of an unknown CA", fmt.Errorf("tls error: %w",
+			&tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}), true},
+		{"server certificate for another host", fmt.Errorf("tls error: %w",
+			&tls.CertificateVerificationError{Err: x509.HostnameError{Host: "db.example"}}), true},
+		{"expired server certificate", fmt.Errorf("tls error: %w",
+			&tls.CertificateVerificationError{Err: x509.CertificateInvalidError{Reason: x509.Expired}}), true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got := connectError(tc.err)

@@ -2,6 +2,8 @@ package relay
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"slices"
@@ -58,7 +60,23 @@ func connectError(err error) error {
 			return fmt.Errorf("%w: connect to postgres: %w; %s", ErrSetup, err, hint)
 		}
 	}
+	if untrustedServer(err) {
+		return fmt.Errorf("%w: connect to postgres: %w; check sslrootcert (the CA that signed the server's certificate) and the host name in the database URL", ErrSetup, err)
+	}
 	return fmt.Errorf("connect to postgres: %w", err)
+}
+
+// untrustedServer reports whether err says the server's certificate failed verification
+// (sslmode=verify-ca or verify-full): signed by another CA, for another host name, expired.
+// A person has to change the URL or the server's certificate; retrying only repeats it.
+// crypto/tls wraps verification errors in CertificateVerificationError; pgx's verify-ca check
+// returns x509's errors as they are.
+func untrustedServer(err error) bool {
+	var verify *tls.CertificateVerificationError
+	var authority x509.UnknownAuthorityError
+	var host x509.HostnameError
+	var invalid x509.CertificateInvalidError
+	return errors.As(err, &verify) || errors.As(err, &authority) || errors.As(err, &host) || errors.As(err, &invalid)
 }
 
 // checkDatabase verifies what logical replication of the outbox needs.

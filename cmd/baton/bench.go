@@ -198,7 +198,7 @@ func runBenchOn(ctx context.Context, cfg config.Config, bcfg bench.Config, out i
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	bcfg.DatabaseURL, bcfg.NATSURL, bcfg.NATSInProcess = cfg.DatabaseURL, cfg.NATSURL, inProcess
+	bcfg.DatabaseURL, bcfg.NATS, bcfg.NATSInProcess = cfg.DatabaseURL, cfg.NATS(), inProcess
 	return bench.Run(ctx, bcfg)
 }
 
@@ -228,7 +228,7 @@ func runBenchPlainRelay(ctx context.Context, args []string, stderr io.Writer) er
 	if err := cfg.Require(config.EnvDatabaseURL, config.EnvNATSURL); err != nil {
 		return err
 	}
-	return bench.RunPlainRelay(ctx, bench.PlainRelayConfig{DatabaseURL: cfg.DatabaseURL, NATSURL: cfg.NATSURL,
+	return bench.RunPlainRelay(ctx, bench.PlainRelayConfig{DatabaseURL: cfg.DatabaseURL, NATS: cfg.NATS(),
 		Slot: cfg.Slot, SubjectPrefix: cfg.SubjectPrefix, Logger: log})
 }
 

@@ -116,7 +116,7 @@ func runBenchTurns(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	b, err := bench.NewTurns(bench.TurnsConfig{
 		DatabaseURL:     cfg.DatabaseURL,
-		NATSURL:         cfg.NATSURL,
+		NATS:            cfg.NATS(),
 		RelayCommand:    []string{relayBin, "relay"},
 		NewWorker:       benchTurnsWorker,
 		Turns:           opts.turns,
@@ -171,7 +171,7 @@ func configureBenchTurns(fs *flag.FlagSet, args []string, stderr io.Writer) (*co
 	if err := parseFlags(fs, args); err != nil {
 		return nil, nil, err
 	}
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.Resolve(); err != nil {
 		return nil, nil, fmt.Errorf("invalid configuration:\n%w", err)
 	}
 	return &cfg, cfg.Logger(stderr), nil

@@ -141,7 +141,7 @@ func configureDemo(fs *flag.FlagSet, args []string, stderr io.Writer) (*config.C
 	if err := parseFlags(fs, args); err != nil {
 		return nil, nil, err
 	}
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.Resolve(); err != nil {
 		return nil, nil, fmt.Errorf("invalid configuration:\n%w", err)
 	}
 	return &cfg, cfg.Logger(stderr), nil

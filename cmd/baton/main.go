@@ -167,7 +167,8 @@ func parseFlags(fs *flag.FlagSet, args []string) error {
 }
 
 // configure reads the configuration from the environment, binds flags overriding the named
-// variables plus the log level and format, parses args and validates the result. It
+// variables plus the log level and format, parses args, reads the files the configuration
+// names and validates the result (config.Resolve). It
 // returns the configuration and a logger writing to stderr.
 func configure(fs *flag.FlagSet, args []string, stderr io.Writer, vars ...string) (*config.Config, *slog.Logger, error) {
 	cfg, err := config.FromEnv()
@@ -178,7 +179,7 @@ func configure(fs *flag.FlagSet, args []string, stderr io.Writer, vars ...string
 	if err := parseFlags(fs, args); err != nil {
 		return nil, nil, err
 	}
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.Resolve(); err != nil {
 		return nil, nil, fmt.Errorf("invalid configuration:\n%w", err)
 	}
 	return &cfg, cfg.Logger(stderr), nil

@@ -23,7 +23,8 @@ import (
 func TestMain(m *testing.M) {
 	// The tests set what they need; the caller's BATON_* configuration must not leak in
 	// (BATON_TEST_* variables stay: they choose the test servers).
-	for _, name := range []string{config.EnvDatabaseURL, config.EnvNATSURL, config.EnvSubjectPrefix,
+	for _, name := range []string{config.EnvDatabaseURL, config.EnvDatabaseURLFile, config.EnvNATSURL, config.EnvNATSURLFile,
+		config.EnvNATSCreds, config.EnvNATSNKey, config.EnvNATSCA, config.EnvNATSCert, config.EnvNATSKey, config.EnvSubjectPrefix,
 		config.EnvSlot, config.EnvPublication, config.EnvMetricsAddr, config.EnvFatalLinger, config.EnvLogLevel, config.EnvLogFormat} {
 		_ = os.Unsetenv(name)
 	}

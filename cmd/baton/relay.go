@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/batonhq/baton/internal/config"
 	"github.com/batonhq/baton/internal/opsserver"
+	"github.com/batonhq/baton/natsconn"
 	"github.com/batonhq/baton/relay"
 )
 
@@ -52,7 +54,17 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 	}
 	log.Info("starting relay", "config", cfg)
 
-	nc, err := connectNATS(cfg, "baton-relay")
+	// nats.go closes a connection for good only when a reconnect's login was refused twice in
+	// a row (or on a protocol error): reconnects are unlimited otherwise. The relay then
+	// exits 1, saying why, so that an orchestrator restarts it with whatever credentials it
+	// has by then, instead of standing by forever on a dead connection.
+	closed := make(chan struct{})
+	var closedOnce sync.Once
+	nc, err := connectNATS(cfg, "baton-relay",
+		nats.ClosedHandler(func(*nats.Conn) { closedOnce.Do(func() { close(closed) }) }),
+		// nats.go prints asynchronous errors (a refused login on a reconnect) raw to stderr
+		// otherwise, outside the configured log format.
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { log.Warn("NATS error", "error", err) }))
 	if err != nil {
 		return reportFailure(log, err, 0)
 	}
@@ -89,6 +101,19 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		linger = 0
 	}
 	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		select {
+		case <-closed:
+			cause := nc.LastError()
+			if cause == nil {
+				cause = errors.New("connection closed")
+			}
+			return fmt.Errorf("NATS at %s closed the connection for good (%s): %w",
+				natsconn.Servers(cfg.NATSURL), cfg.NATS().Login(), cause)
+		case <-gctx.Done():
+			return nil
+		}
+	})
 	g.Go(func() error {
 		err := r.Run(gctx)
 		if err == nil {
@@ -155,18 +180,17 @@ func reportFailure(log *slog.Logger, err error, exitIn time.Duration) error {
 }
 
 // connectNATS connects with unlimited reconnects: a NATS restart must be survived, not fatal.
-// Errors and logs carry the redacted URL only.
-func connectNATS(cfg *config.Config, name string) (*nats.Conn, error) {
-	nc, err := nats.Connect(cfg.NATSURL,
+// The login and TLS settings come from cfg through natsconn; a login the server refuses ends
+// the first attempt with an error naming the servers and the settings used (never a secret),
+// and a login refused twice in a row on a reconnect closes the connection (nats.go's default,
+// see natsconn's package doc). opts come after Baton's.
+func connectNATS(cfg *config.Config, name string, opts ...nats.Option) (*nats.Conn, error) {
+	return cfg.NATS().Connect(append([]nats.Option{
 		nats.Name(name),
 		nats.FlusherTimeout(natsWriteTimeout),
 		nats.MaxReconnects(-1),
-		nats.ReconnectWait(250*time.Millisecond),
+		nats.ReconnectWait(250 * time.Millisecond),
 		nats.ReconnectJitter(100*time.Millisecond, time.Second),
 		nats.RetryOnFailedConnect(false),
-	)
-	if err != nil {
-		return nil, fmt.Errorf("connect to NATS at %s: %w", config.Redact(cfg.NATSURL), err)
-	}
-	return nc, nil
+	}, opts...)...)
 }

@@ -196,7 +196,7 @@ func TestComposeServices(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, "service_healthy", c.Services["migrate"].DependsOn["postgres"])
+	require.True(t, dependsOnTransitively(c, "migrate", "postgres", "service_healthy"), "migrate must wait for Postgres")
 	require.Equal(t, []string{"migrate"}, []string(c.Services["migrate"].Command))
 	for _, name := range append(relays, agents...) {
 		require.True(t, dependsOnTransitively(c, name, "migrate", "service_completed_successfully"),
@@ -271,14 +271,41 @@ func TestComposeNATS(t *testing.T) {
 	require.True(t, mounted, "the NATS config under deploy/nats is mounted")
 }
 
+// rolesSQLMount is how the compose file mounts roles.sql into the services that apply it.
+const rolesSQLMount = "./deploy/postgres/roles.sql:/etc/baton/roles.sql:ro"
+
 // TestComposePrograms checks every Baton service: its image target exists in the Dockerfile,
 // its command, flags and BATON_* variables exist in the program, and it logs in to Postgres
-// with the role of its job.
+// with the role of its job, once roles.sql gave that role its privileges.
 func TestComposePrograms(t *testing.T) {
 	t.Parallel()
 	c := loadCompose(t)
 	targets := dockerTargets(t)
 	roles := rolesInRolesSQL(t)
+
+	// The services applying roles.sql: each sets a password for every role it creates. One runs
+	// before migrate (which logs in as the migrator roles.sql creates), one after it (the
+	// privileges on the tables the migrations create).
+	var grantsBefore, grantsAfter []string
+	for _, name := range keys(c.Services) {
+		r := c.Services[name]
+		if !slices.Contains(r.Volumes, rolesSQLMount) {
+			continue
+		}
+		script := strings.Join(r.Entrypoint, " ")
+		require.Contains(t, script, "-f /etc/baton/roles.sql", name)
+		for _, role := range roles {
+			require.Contains(t, script, "ALTER ROLE "+role+" PASSWORD", "%s sets a password for %s", name, role)
+		}
+		if dependsOnTransitively(c, "migrate", name, "service_completed_successfully") {
+			grantsBefore = append(grantsBefore, name)
+		}
+		if dependsOnTransitively(c, name, "migrate", "service_completed_successfully") {
+			grantsAfter = append(grantsAfter, name)
+		}
+	}
+	require.NotEmpty(t, grantsBefore, "migrate logs in as baton_migrator: roles.sql must create it before")
+	require.NotEmpty(t, grantsAfter, "roles.sql must run after migrate, to grant on the tables it creates")
 	for _, name := range keys(c.Services) {
 		s := c.Services[name]
 		prog := c.program(t, name)
@@ -311,8 +338,14 @@ func TestComposePrograms(t *testing.T) {
 				case prog == progEchoagent:
 					require.Equal(t, "baton_worker", user, "%s logs in as the worker role", name)
 				case prog == progBaton && len(s.Command) > 0 && s.Command[0] == "migrate":
+					require.Equal(t, "baton_migrator", user, "%s logs in as the migrator role", name)
 				default:
 					require.Contains(t, roles, user, "%s logs in as a role of roles.sql", name)
+				}
+				if user != "baton_migrator" {
+					require.True(t, slices.ContainsFunc(grantsAfter, func(g string) bool {
+						return dependsOnTransitively(c, name, g, "service_completed_successfully")
+					}), "%s logs in as %s: it must wait for roles.sql to run after migrate (%v)", name, user, grantsAfter)
 				}
 			}
 			if s.Healthcheck != nil {
@@ -320,15 +353,6 @@ func TestComposePrograms(t *testing.T) {
 			}
 		})
 	}
-	// The roles service applies roles.sql and sets a password for every role it creates.
-	r := c.Services["roles"]
-	require.Contains(t, r.Volumes, "./deploy/postgres/roles.sql:/etc/baton/roles.sql:ro")
-	script := strings.Join(r.Entrypoint, " ")
-	require.Contains(t, script, "-f /etc/baton/roles.sql")
-	for _, role := range roles {
-		require.Contains(t, script, "ALTER ROLE "+role+" PASSWORD", "roles sets a password for %s", role)
-	}
-	require.Equal(t, "service_completed_successfully", r.DependsOn["migrate"])
 }
 
 // checkHealthcheck checks a Baton service's health check: the image's probe, on the port of

@@ -125,13 +125,49 @@ func (rs *roleSet) pool(t *testing.T, role string) *pgxpool.Pool {
 
 // setupRoles gives the test its own migrated database with roles.sql applied, twice: running
 // it again must change nothing.
+//
+// Before, PUBLIC gets CREATE on schema public, as in a cluster upgraded from PostgreSQL 14 or
+// older: roles.sql must take it away, or every role could create objects in Baton's schema.
 func setupRoles(t *testing.T) (*testsvc.Database, *roleSet) {
 	t.Helper()
 	db := testsvc.NewDatabase(t)
+	_, err := db.Pool.Exec(context.Background(), `GRANT CREATE ON SCHEMA public TO PUBLIC`)
+	require.NoError(t, err)
 	rs := newRoleSet(t, db, db.URL)
 	rs.apply(t)
+	first := privilegeState(t, db.Pool)
 	rs.apply(t)
+	require.Equal(t, first, privilegeState(t, db.Pool), "running roles.sql again changed privileges or policies")
 	return db, rs
+}
+
+// privilegeState describes every privilege and policy in the database's public schema: the
+// ACLs of the schema, its tables, their columns and functions, and the row-level security
+// policies, one line each, sorted.
+func privilegeState(t *testing.T, pool *pgxpool.Pool) []string {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `
+		SELECT 'schema ' || coalesce(nspacl::text, '') FROM pg_namespace WHERE nspname = 'public'
+		UNION ALL
+		SELECT 'table ' || relname || ' ' || coalesce(relacl::text, '') || ' rls=' || relrowsecurity
+			|| ' force=' || relforcerowsecurity || ' owner=' || pg_get_userbyid(relowner)
+		FROM pg_class WHERE relnamespace = 'public'::regnamespace AND relkind IN ('r', 'p', 'v', 'S')
+		UNION ALL
+		SELECT 'column ' || attrelid::regclass || '.' || attname || ' ' || attacl::text
+		FROM pg_attribute WHERE attacl IS NOT NULL
+			AND attrelid IN (SELECT oid FROM pg_class WHERE relnamespace = 'public'::regnamespace)
+		UNION ALL
+		SELECT 'function ' || oid::regprocedure || ' ' || coalesce(proacl::text, '')
+		FROM pg_proc WHERE pronamespace = 'public'::regnamespace
+		UNION ALL
+		SELECT 'policy ' || tablename || ' ' || policyname || ' ' || cmd || ' ' || roles::text || ' '
+			|| coalesce(qual, '') || ' ' || coalesce(with_check, '')
+		FROM pg_policies WHERE schemaname = 'public'
+		ORDER BY 1`)
+	require.NoError(t, err)
+	state, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return state
 }
 
 // requireDenied asserts that err is Postgres refusing a privilege (SQLSTATE 42501).
@@ -147,6 +183,12 @@ func requireDenied(t *testing.T, err error, what string) {
 // transaction that is rolled back, so nothing it could do survives.
 func refusals(t *testing.T, q *pgxpool.Pool, stmts map[string]string) {
 	t.Helper()
+	refusalsWith(t, q, stmts, requireDenied)
+}
+
+// refusalsWith is refusals with another check of the error.
+func refusalsWith(t *testing.T, q *pgxpool.Pool, stmts map[string]string, check func(t *testing.T, err error, what string)) {
+	t.Helper()
 	ctx := context.Background()
 	for what, stmt := range stmts {
 		func() {
@@ -154,9 +196,27 @@ func refusals(t *testing.T, q *pgxpool.Pool, stmts map[string]string) {
 			require.NoError(t, err)
 			defer func() { _ = tx.Rollback(ctx) }() // also when the assertion fails
 			_, err = tx.Exec(ctx, stmt)
-			requireDenied(t, err, what)
+			check(t, err, what)
 		}()
 	}
+}
+
+// requireRowSecurity asserts that err is a row-level security policy refusing a new row.
+func requireRowSecurity(t *testing.T, err error, what string) {
+	t.Helper()
+	requireDenied(t, err, what)
+	require.ErrorContains(t, err, "row-level security policy", what)
+}
+
+// requireConversationMismatch asserts that err is the foreign key that ties an outbox row to a
+// user message of its conversation.
+func requireConversationMismatch(t *testing.T, err error, what string) {
+	t.Helper()
+	var pgErr *pgconn.PgError
+	require.Error(t, err, "%s: should be refused", what)
+	require.True(t, errors.As(err, &pgErr), "%s: %v", what, err)
+	require.Equal(t, "23503", pgErr.Code, "%s: %v", what, err)
+	require.Equal(t, "agent_outbox_user_message_fkey", pgErr.ConstraintName, what)
 }
 
 func newProducer(t *testing.T) *producer.Producer {
@@ -232,6 +292,26 @@ func TestRolesApp(t *testing.T) {
 		"create table":         `CREATE TABLE app_table (id int)`,
 		"drop table":           `DROP TABLE agent_outbox`,
 	})
+	// Forged outcomes: the app writes user messages only. A reply it inserted would be published
+	// to subscribers as the agent's.
+	refusalsWith(t, app, map[string]string{
+		"insert assistant message": `INSERT INTO messages (id, conversation_id, role, content) VALUES ('forged', 'conv-1', 'assistant', 'x')`,
+		"insert error message":     `INSERT INTO messages (id, conversation_id, role, content) VALUES ('forged', 'conv-1', 'error', 'x')`,
+		"forged reply with an outbox row": `WITH m AS (INSERT INTO messages (id, conversation_id, role, content)
+			VALUES ('forged', 'conv-1', 'assistant', 'x') RETURNING id, conversation_id)
+			INSERT INTO agent_outbox (conversation_id, message_id) SELECT conversation_id, id FROM m`,
+		"forged reply on conflict": `INSERT INTO messages (id, conversation_id, role, content) VALUES ('forged', 'conv-1', 'assistant', 'x')
+			ON CONFLICT (id) DO NOTHING`,
+	}, requireRowSecurity)
+	// An outbox row of another conversation than its message's.
+	_, err = p.CreateConversation(ctx, app, "conv-2")
+	require.NoError(t, err)
+	refusalsWith(t, app, map[string]string{
+		"outbox row of another conversation": `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('conv-2', 'msg-3')`,
+		"message and outbox row in one statement": `WITH m AS (INSERT INTO messages (id, conversation_id, role, content)
+			VALUES ('msg-4', 'conv-1', 'user', 'x') RETURNING id)
+			INSERT INTO agent_outbox (conversation_id, message_id) SELECT 'conv-2', id FROM m`,
+	}, requireConversationMismatch)
 
 	var n int
 	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM agent_outbox WHERE status = 'pending' AND attempts = 0`).Scan(&n))
@@ -295,6 +375,30 @@ func outboxState(admin *pgxpool.Pool, messageID string) (status, replyRole strin
 		FROM agent_outbox o LEFT JOIN messages r ON r.id = o.reply_id WHERE o.message_id = $1`, messageID).
 		Scan(&status, &replyRole)
 	return status, replyRole, err
+}
+
+// The app sends user messages, and an outbox row is a user message's turn: an outbox row the
+// app points at a reply (or an error message) would have a worker run a turn whose request is
+// the agent's own words, as if the user had sent them. (Found by an adversarial review.)
+func TestRolesAppCannotQueueAReply(t *testing.T) {
+	t.Parallel()
+	db, rs := setupRoles(t)
+	ctx := context.Background()
+	app := rs.pool(t, roleApp)
+	p := newProducer(t)
+	_, err := p.CreateConversation(ctx, app, "conv-1")
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content)
+		VALUES ('reply-1', 'conv-1', 'assistant', 'a reply'), ('error-1', 'conv-1', 'error', 'a failure')`)
+	require.NoError(t, err)
+	refusalsWith(t, app, map[string]string{
+		"outbox row of a reply":            `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('conv-1', 'reply-1')`,
+		"outbox row of an error message":   `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('conv-1', 'error-1')`,
+		"outbox row of a reply via select": `INSERT INTO agent_outbox (conversation_id, message_id) SELECT conversation_id, id FROM messages WHERE role <> 'user'`,
+	}, requireConversationMismatch)
+	refusalsWith(t, app, map[string]string{
+		"outbox row naming its message's role": `INSERT INTO agent_outbox (conversation_id, message_id, message_role) VALUES ('conv-1', 'reply-1', 'assistant')`,
+	}, requireDenied)
 }
 
 func TestRolesWorker(t *testing.T) {
@@ -362,7 +466,21 @@ func TestRolesWorker(t *testing.T) {
 		"relay slots":            `SELECT * FROM baton_relay_slots`,
 		"alter table":            `ALTER TABLE agent_outbox ADD COLUMN x int`,
 		"create table":           `CREATE TABLE worker_table (id int)`,
+		"create index":           `CREATE INDEX worker_index ON agent_outbox (last_error)`,
+		"create view":            `CREATE VIEW worker_view AS SELECT 1 AS x`,
+		"create function":        `CREATE FUNCTION worker_fn() RETURNS int LANGUAGE sql AS 'SELECT 1'`,
+		"replace baton_fence":    `CREATE OR REPLACE FUNCTION baton_fence(ok boolean, what text) RETURNS boolean LANGUAGE sql AS 'SELECT true'`,
+		"drop function":          `DROP FUNCTION baton_fence(boolean, text)`,
+		"create trigger":         `CREATE TRIGGER worker_trigger BEFORE INSERT ON messages FOR EACH ROW EXECUTE FUNCTION suppress_redundant_updates_trigger()`,
+		"create policy":          `CREATE POLICY worker_policy ON messages FOR INSERT WITH CHECK (true)`,
+		"disable row security":   `ALTER TABLE messages DISABLE ROW LEVEL SECURITY`,
+		"alter publication":      `ALTER PUBLICATION baton DROP TABLE messages`,
+		"create schema":          `CREATE SCHEMA worker_schema`,
+		"insert outbox row":      `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('works', 'w1')`,
 	})
+	refusalsWith(t, worker, map[string]string{
+		"insert user message": `INSERT INTO messages (id, conversation_id, role, content) VALUES ('u', 'works', 'user', 'x')`,
+	}, requireRowSecurity)
 }
 
 func TestRolesRelay(t *testing.T) {
@@ -443,13 +561,20 @@ func TestRolesRelay(t *testing.T) {
 	require.NoError(t, relayPool.QueryRow(ctx, `SELECT count(*) FROM agent_outbox`).Scan(&n))
 	require.Equal(t, 2, n)
 	refusals(t, relayPool, map[string]string{
-		"update outbox":       `UPDATE agent_outbox SET status = 'done'`,
-		"delete outbox":       `DELETE FROM agent_outbox`,
-		"insert message":      `INSERT INTO messages (id, conversation_id, role, content) VALUES ('r', 'conv-1', 'assistant', 'x')`,
-		"insert conversation": `INSERT INTO conversations (id) VALUES ('r')`,
-		"delete slots":        `DELETE FROM baton_relay_slots`,
-		"select operations":   `SELECT * FROM operations`,
-		"drop table":          `DROP TABLE baton_relay_slots`,
+		"select messages":      `SELECT id FROM messages`,
+		"select content":       `SELECT content FROM messages`,
+		"count messages":       `SELECT count(*) FROM messages`,
+		"outbox last_error":    `SELECT last_error FROM agent_outbox`,
+		"outbox whole rows":    `SELECT * FROM agent_outbox`,
+		"select conversations": `SELECT * FROM conversations`,
+		"update outbox":        `UPDATE agent_outbox SET status = 'done'`,
+		"delete outbox":        `DELETE FROM agent_outbox`,
+		"insert message":       `INSERT INTO messages (id, conversation_id, role, content) VALUES ('r', 'conv-1', 'assistant', 'x')`,
+		"insert conversation":  `INSERT INTO conversations (id) VALUES ('r')`,
+		"insert outbox row":    `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('conv-1', 'before')`,
+		"delete slots":         `DELETE FROM baton_relay_slots`,
+		"select operations":    `SELECT * FROM operations`,
+		"drop table":           `DROP TABLE baton_relay_slots`,
 	})
 }
 
@@ -486,6 +611,14 @@ func TestRolesMigrator(t *testing.T) {
 	}
 	require.NoError(t, tx.Rollback(ctx))
 
+	// The owner bypasses privileges and row-level security, not the foreign key that ties an
+	// outbox row's conversation to its message's.
+	_, err = conn.Exec(ctx, `INSERT INTO conversations (id) VALUES ('a'), ('b');
+		INSERT INTO messages (id, conversation_id, role, content) VALUES ('m1', 'a', 'user', 'x')`)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('b', 'm1')`)
+	requireConversationMismatch(t, err, "the migrator's outbox row of another conversation")
+
 	for what, stmt := range map[string]string{
 		"create role":  `CREATE ROLE intruder`,
 		"alter system": `ALTER SYSTEM SET wal_level = minimal`,
@@ -498,6 +631,76 @@ func TestRolesMigrator(t *testing.T) {
 		Scan(&super, &replication))
 	require.False(t, super)
 	require.False(t, replication)
+}
+
+// TestRolesMigratorUpgrades: on a schema roles.sql was applied to (owned by the migrator,
+// row-level security on messages), the migrator applies a new version, here version 7, and
+// roles.sql then grants as before.
+func TestRolesMigratorUpgrades(t *testing.T) {
+	t.Parallel()
+	db, rs := setupRoles(t)
+	ctx := context.Background()
+	want := privilegeState(t, db.Pool)
+	// Back to version 6, as the admin.
+	_, err := db.Pool.Exec(ctx, `
+		ALTER TABLE agent_outbox DROP CONSTRAINT agent_outbox_user_message_fkey;
+		ALTER TABLE messages DROP CONSTRAINT messages_conversation_id_id_role_key;
+		ALTER TABLE agent_outbox DROP COLUMN message_role;
+		ALTER TABLE agent_outbox ADD CONSTRAINT agent_outbox_message_id_fkey
+			FOREIGN KEY (message_id) REFERENCES messages (id) ON DELETE CASCADE;
+		DELETE FROM baton_schema_migrations WHERE version = 7`)
+	require.NoError(t, err)
+	p := newProducer(t)
+	app := rs.pool(t, roleApp)
+	_, err = p.CreateConversation(ctx, app, "conv-1")
+	require.NoError(t, err)
+	_, err = p.Send(ctx, app, producer.Message{ConversationID: "conv-1", ID: "m1", Content: "hello"})
+	require.NoError(t, err)
+
+	conn, err := pgx.Connect(ctx, rs.url(t, roleMigrator))
+	require.NoError(t, err)
+	applied, err := migrations.Up(ctx, conn)
+	require.NoError(t, conn.Close(ctx))
+	require.NoError(t, err)
+	require.Equal(t, []int{7}, applied)
+	rs.apply(t)
+	require.Equal(t, want, privilegeState(t, db.Pool))
+
+	_, err = p.CreateConversation(ctx, app, "conv-2")
+	require.NoError(t, err)
+	_, err = app.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('m2', 'conv-1', 'user', 'x')`)
+	require.NoError(t, err)
+	_, err = app.Exec(ctx, `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('conv-2', 'm2')`)
+	requireConversationMismatch(t, err, "after the upgrade")
+}
+
+// TestRolesConverge: roles.sql resets what it manages, so running it again undoes privileges
+// and policies changed by hand since (or granted by an older roles.sql).
+func TestRolesConverge(t *testing.T) {
+	t.Parallel()
+	db, rs := setupRoles(t)
+	ctx := context.Background()
+	want := privilegeState(t, db.Pool)
+	var drift []string
+	for _, r := range []string{roleApp, roleRelay, roleWorker} {
+		name := pgx.Identifier{rs.name(r)}.Sanitize()
+		drift = append(drift,
+			`GRANT ALL ON ALL TABLES IN SCHEMA public TO `+name,
+			`GRANT UPDATE (content) ON messages TO `+name)
+	}
+	drift = append(drift,
+		`GRANT SELECT ON operations TO PUBLIC`,
+		`GRANT CREATE ON SCHEMA public TO PUBLIC`,
+		`ALTER TABLE messages DISABLE ROW LEVEL SECURITY`,
+		`ALTER POLICY messages_app_insert ON messages WITH CHECK (true)`,
+		`DROP POLICY messages_worker_select ON messages`)
+	for _, stmt := range drift {
+		_, err := db.Pool.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
+	require.NotEqual(t, want, privilegeState(t, db.Pool))
+	rs.apply(t)
+	require.Equal(t, want, privilegeState(t, db.Pool))
 }
 
 // TestRolesFirstInstall follows a first install on an empty database: roles.sql creates the

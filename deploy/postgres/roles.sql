@@ -3,7 +3,8 @@
 --   baton_migrator  owns Baton's tables, function and publication; runs `baton migrate`.
 --   baton_app       your application (the producer): creates conversations, inserts user
 --                   messages and their outbox rows with the default queue fields, reads state.
---   baton_relay     `baton relay`: REPLICATION, reads the outbox, records its slots.
+--   baton_relay     `baton relay`: REPLICATION, reads the outbox's queue columns (first-start
+--                   backfill), records its slots. It cannot read messages.
 --   baton_worker    agent workers (the consumer package): claims, leases and final commits.
 --
 -- Run it as a superuser (or as the database owner with CREATEROLE and REPLICATION, who is also a
@@ -42,8 +43,24 @@
 --     for that. Replication connections to a database match `all` lines in pg_hba.conf.
 --   * Column privileges make the app's queue fields unwritable: an INSERT naming status,
 --     attempts, run_id or any other queue column fails with SQLSTATE 42501.
---   * Roles cannot restrict values: baton_app may insert a message with role 'assistant'.
---     If the application is not trusted with that, put a row-level security policy on messages.
+--   * Privileges cannot restrict values, so messages has row-level security: baton_app may
+--     insert only role 'user' messages and baton_worker only 'assistant' and 'error' ones (a
+--     forged outcome fails with SQLSTATE 42501), and both may read every message. Each role
+--     sees only what a policy gives it: a role of your own that reads messages (a reporting
+--     role, a console) needs a policy besides its grant, such as
+--       CREATE POLICY messages_reports_select ON public.messages FOR SELECT TO reports USING (true);
+--     or it reads no rows. The owner (baton_migrator) and superusers are not subject to it.
+--     Logical decoding ignores it: the relay publishes replies as before.
+--   * An outbox row must name a user message of its own conversation: a foreign key (migration
+--     7) checks it for every role, the owner included.
+--   * baton_relay cannot read messages, but REPLICATION still lets it decode the changes
+--     committed from its slot's creation on, whatever its table privileges: the replies it
+--     publishes, and, with a slot of its own and another output plugin installed on the server
+--     (test_decoding ships with PostgreSQL), every new row of every table, user messages'
+--     content included. Guard its password like read access to all new data.
+--   * CREATE on schema public is revoked from PUBLIC (the default since PostgreSQL 15; clusters
+--     upgraded from older versions keep the old grant), so no role but the migrator creates
+--     objects there. Grant it back to roles of your own that need it.
 
 -- Roles, created when missing.
 DO $$
@@ -66,6 +83,44 @@ $$;
 -- The relay's one role attribute; set again in case the role existed without it.
 ALTER ROLE baton_relay WITH LOGIN REPLICATION;
 
+-- A role that existed before keeps its attributes and memberships: take away those that would
+-- let it past what this file grants (SUPERUSER and BYPASSRLS ignore row-level security,
+-- CREATEROLE and CREATEDB reach beyond Baton's tables, REPLICATION decodes everything), and its
+-- memberships in Baton's other roles and in pg_read_all_data and pg_write_all_data, whose
+-- privileges and policies a member gets. Grants of Baton's roles to roles of your own stay.
+DO $$
+DECLARE
+    r record;
+    left_over text;
+BEGIN
+    FOR r IN SELECT rolname, rolreplication FROM pg_roles
+             WHERE rolname IN ('baton_app', 'baton_relay', 'baton_worker')
+               AND (rolsuper OR rolbypassrls OR rolcreaterole OR rolcreatedb
+                    OR (rolreplication AND rolname <> 'baton_relay')) LOOP
+        EXECUTE format('ALTER ROLE %I WITH NOSUPERUSER NOBYPASSRLS NOCREATEROLE NOCREATEDB', r.rolname);
+        IF r.rolname <> 'baton_relay' AND r.rolreplication THEN
+            EXECUTE format('ALTER ROLE %I WITH NOREPLICATION', r.rolname);
+        END IF;
+    END LOOP;
+    FOR r IN SELECT m.rolname AS member, g.rolname AS grp
+             FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member JOIN pg_roles g ON g.oid = a.roleid
+             WHERE m.rolname IN ('baton_app', 'baton_relay', 'baton_worker')
+               AND g.rolname IN ('baton_migrator', 'baton_app', 'baton_relay', 'baton_worker',
+                                 'pg_read_all_data', 'pg_write_all_data') LOOP
+        EXECUTE format('REVOKE %I FROM %I', r.grp, r.member);
+    END LOOP;
+    -- A membership granted by another role than the one running this file may survive REVOKE.
+    SELECT string_agg(g.rolname || ' to ' || m.rolname, ', ') INTO left_over
+    FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member JOIN pg_roles g ON g.oid = a.roleid
+    WHERE m.rolname IN ('baton_app', 'baton_relay', 'baton_worker')
+      AND g.rolname IN ('baton_migrator', 'baton_app', 'baton_relay', 'baton_worker',
+                        'pg_read_all_data', 'pg_write_all_data');
+    IF left_over IS NOT NULL THEN
+        RAISE EXCEPTION 'revoke these role grants by hand (as the role that granted them): %', left_over;
+    END IF;
+END
+$$;
+
 -- The database and the schema. CREATE on the database lets the migrator create and own the
 -- publication; CREATE on the schema lets it create tables.
 DO $$
@@ -75,6 +130,7 @@ BEGIN
     EXECUTE format('GRANT CREATE ON DATABASE %I TO baton_migrator', current_database());
 END
 $$;
+REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 GRANT USAGE, CREATE ON SCHEMA public TO baton_migrator;
 GRANT USAGE ON SCHEMA public TO baton_app, baton_relay, baton_worker;
 
@@ -119,12 +175,16 @@ BEGIN
     -- baton_app: producer.CreateConversation, producer.Send and SendTx (which read back the
     -- message and outbox row of a retried id), and reading the conversation. Queue fields keep
     -- their defaults: status, attempts, run_id, lease and reply columns are not insertable.
+    -- Its messages are user messages (the policies below).
     GRANT SELECT, INSERT (id) ON public.conversations TO baton_app;
     GRANT SELECT, INSERT (id, conversation_id, role, content) ON public.messages TO baton_app;
     GRANT SELECT, INSERT (conversation_id, message_id) ON public.agent_outbox TO baton_app;
 
-    -- baton_relay: the first-start backfill reads the outbox; the slot record is its own.
-    GRANT SELECT ON public.agent_outbox, public.messages TO baton_relay;
+    -- baton_relay: the first-start backfill reads the unfinished outbox rows' queue columns
+    -- (never last_error, nor any message); the slot record is its own. Streaming needs no table
+    -- privilege: REPLICATION.
+    GRANT SELECT (id, conversation_id, message_id, status, attempts, created_at)
+        ON public.agent_outbox TO baton_relay;
     GRANT SELECT, INSERT, UPDATE ON public.baton_relay_slots TO baton_relay;
 
     -- baton_worker: claims (lock the conversation, take pending rows), leases, tool operations,
@@ -141,5 +201,19 @@ BEGIN
           UPDATE (finished_at, outcome, error)
         ON public.agent_runs TO baton_worker;
     GRANT EXECUTE ON FUNCTION public.baton_fence(boolean, text) TO baton_worker;
+
+    -- Who may write which messages: the app user messages, the worker replies. Policies are
+    -- dropped and created again, so running this file again converges; the owner is exempt.
+    ALTER TABLE public.messages ENABLE ROW LEVEL SECURITY;
+    DROP POLICY IF EXISTS messages_app_select ON public.messages;
+    DROP POLICY IF EXISTS messages_app_insert ON public.messages;
+    DROP POLICY IF EXISTS messages_worker_select ON public.messages;
+    DROP POLICY IF EXISTS messages_worker_insert ON public.messages;
+    CREATE POLICY messages_app_select ON public.messages FOR SELECT TO baton_app USING (true);
+    CREATE POLICY messages_app_insert ON public.messages FOR INSERT TO baton_app
+        WITH CHECK (role = 'user');
+    CREATE POLICY messages_worker_select ON public.messages FOR SELECT TO baton_worker USING (true);
+    CREATE POLICY messages_worker_insert ON public.messages FOR INSERT TO baton_worker
+        WITH CHECK (role IN ('assistant', 'error'));
 END
 $$;

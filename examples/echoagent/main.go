@@ -13,7 +13,9 @@
 //
 // Start as many as you like: at most one turn per conversation runs at a time across all of
 // them. Without BATON_NATS_URL (or with --source polling) the worker claims straight from
-// agent_outbox and needs no relay. The pool size comes from the URL (pool_max_conns=...).
+// agent_outbox and needs no relay. The URLs may come from files (BATON_DATABASE_URL_FILE,
+// BATON_NATS_URL_FILE), and the NATS login and TLS from BATON_NATS_CREDS, BATON_NATS_NKEY,
+// BATON_NATS_CA, BATON_NATS_CERT and BATON_NATS_KEY (paths; see package natsconn). The pool size comes from the URL (pool_max_conns=...).
 // With BATON_METRICS_ADDR (--metrics-addr) it serves Prometheus metrics at /metrics and
 // probes at /healthz and /readyz. SIGINT or SIGTERM stops it gracefully: running turns get
 // --shutdown-grace (default 10s) to finish, then they are cancelled.
@@ -33,6 +35,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -47,6 +50,7 @@ import (
 
 	"github.com/batonhq/baton/consumer"
 	"github.com/batonhq/baton/examples/echo"
+	"github.com/batonhq/baton/natsconn"
 )
 
 func main() {
@@ -62,13 +66,20 @@ func main() {
 // config is echoagent's configuration from the environment. An empty or unset variable takes
 // the default; flags override the environment.
 type config struct {
-	DatabaseURL   string `env:"BATON_DATABASE_URL"`
-	NATSURL       string `env:"BATON_NATS_URL"`
-	SubjectPrefix string `env:"BATON_SUBJECT_PREFIX" envDefault:"agent"`
-	Schema        string `env:"BATON_SCHEMA" envDefault:"public"`
-	MetricsAddr   string `env:"BATON_METRICS_ADDR"`
-	LogLevel      string `env:"BATON_LOG_LEVEL" envDefault:"info"`
-	LogFormat     string `env:"BATON_LOG_FORMAT" envDefault:"text"`
+	DatabaseURL     string `env:"BATON_DATABASE_URL"`
+	DatabaseURLFile string `env:"BATON_DATABASE_URL_FILE"`
+	NATSURL         string `env:"BATON_NATS_URL"`
+	NATSURLFile     string `env:"BATON_NATS_URL_FILE"`
+	NATSCreds       string `env:"BATON_NATS_CREDS"`
+	NATSNKey        string `env:"BATON_NATS_NKEY"`
+	NATSCA          string `env:"BATON_NATS_CA"`
+	NATSCert        string `env:"BATON_NATS_CERT"`
+	NATSKey         string `env:"BATON_NATS_KEY"`
+	SubjectPrefix   string `env:"BATON_SUBJECT_PREFIX" envDefault:"agent"`
+	Schema          string `env:"BATON_SCHEMA" envDefault:"public"`
+	MetricsAddr     string `env:"BATON_METRICS_ADDR"`
+	LogLevel        string `env:"BATON_LOG_LEVEL" envDefault:"info"`
+	LogFormat       string `env:"BATON_LOG_FORMAT" envDefault:"text"`
 }
 
 func run(ctx context.Context) error {
@@ -77,7 +88,14 @@ func run(ctx context.Context) error {
 		return fmt.Errorf("read configuration from the environment: %w", err)
 	}
 	flag.Var(envFlag{&cfg.DatabaseURL}, "database-url", "PostgreSQL `url` (postgres://... or key=value) [env BATON_DATABASE_URL]")
+	flag.Var(envFlag{&cfg.DatabaseURLFile}, "database-url-file", "`file` holding the PostgreSQL url [env BATON_DATABASE_URL_FILE]")
 	flag.Var(envFlag{&cfg.NATSURL}, "nats-url", "NATS server `url`s, comma-separated [env BATON_NATS_URL]")
+	flag.Var(envFlag{&cfg.NATSURLFile}, "nats-url-file", "`file` holding the NATS url(s) [env BATON_NATS_URL_FILE]")
+	flag.Var(envFlag{&cfg.NATSCreds}, "nats-creds", "NATS user credentials `file` (.creds) [env BATON_NATS_CREDS]")
+	flag.Var(envFlag{&cfg.NATSNKey}, "nats-nkey", "`file` holding a NATS user nkey seed [env BATON_NATS_NKEY]")
+	flag.Var(envFlag{&cfg.NATSCA}, "nats-ca", "PEM `file` of the CAs that verify the NATS server [env BATON_NATS_CA]")
+	flag.Var(envFlag{&cfg.NATSCert}, "nats-cert", "PEM client certificate `file` for NATS [env BATON_NATS_CERT]")
+	flag.Var(envFlag{&cfg.NATSKey}, "nats-key", "PEM private key `file` of --nats-cert [env BATON_NATS_KEY]")
 	flag.Var(envFlag{&cfg.SubjectPrefix}, "subject-prefix", "subject `prefix` (default agent) [env BATON_SUBJECT_PREFIX]")
 	flag.Var(envFlag{&cfg.MetricsAddr}, "metrics-addr", "metrics listen `addr`ess host:port (default off) [env BATON_METRICS_ADDR]")
 	flag.Var(envFlag{&cfg.LogLevel}, "log-level", "log `level`: debug, info, warn, error (default info) [env BATON_LOG_LEVEL]")
@@ -103,6 +121,13 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// A URL may come from a file (a mounted secret); the NATS settings become options below.
+	if cfg.DatabaseURL, err = natsconn.ValueOrFile("BATON_DATABASE_URL", cfg.DatabaseURL, "BATON_DATABASE_URL_FILE", cfg.DatabaseURLFile); err != nil {
+		return err
+	}
+	if cfg.NATSURL, err = natsconn.ValueOrFile(natsconn.EnvURL, cfg.NATSURL, natsconn.EnvURLFile, cfg.NATSURLFile); err != nil {
+		return err
+	}
 	if cfg.DatabaseURL == "" {
 		return errors.New("BATON_DATABASE_URL is not set: set it or pass --database-url")
 	}
@@ -122,6 +147,11 @@ func run(ctx context.Context) error {
 		}
 	}
 
+	// user:password@host/db without postgres:// parses as key=value with the password in a key
+	// the server then quotes in its error: refuse it.
+	if key, _, _ := strings.Cut(cfg.DatabaseURL, "="); !strings.Contains(cfg.DatabaseURL, "://") && strings.ContainsAny(key, ":@/") {
+		return errors.New("BATON_DATABASE_URL must be a postgres:// URL or key=value pairs")
+	}
 	pcfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
 	if err != nil { // its text may quote the URL, password included
 		return errors.New("BATON_DATABASE_URL is not a usable PostgreSQL connection string")
@@ -138,9 +168,12 @@ func run(ctx context.Context) error {
 		if cfg.NATSURL == "" {
 			return errors.New("BATON_NATS_URL is not set: set it or pass --nats-url")
 		}
-		nc, err := nats.Connect(cfg.NATSURL, nats.Name("echoagent"), nats.MaxReconnects(-1))
+		settings := natsconn.Settings{URL: cfg.NATSURL, Creds: cfg.NATSCreds, NKey: cfg.NATSNKey,
+			CA: cfg.NATSCA, Cert: cfg.NATSCert, Key: cfg.NATSKey}
+		// A refused login ends here, with an error naming the servers and the settings.
+		nc, err := settings.Connect(nats.Name("echoagent"), nats.MaxReconnects(-1))
 		if err != nil {
-			return fmt.Errorf("connect to NATS: %w", err)
+			return err
 		}
 		defer nc.Close()
 		wc.NATS = nc

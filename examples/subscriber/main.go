@@ -4,6 +4,7 @@
 // search indexing, analytics. Replace printer.handle's Fprintf with your side effect.
 //
 //	export BATON_NATS_URL=nats://localhost:4222   # BATON_SUBJECT_PREFIX too, if not "agent"
+//	export BATON_NATS_CREDS=/run/secrets/subscriber.creds   # if your NATS wants a login (see package natsconn)
 //	go run ./examples/subscriber                                             # all, then new ones
 //	go run ./examples/subscriber --conversation conv-42                      # one conversation's
 //	go run ./examples/subscriber --durable replay --since 2026-11-30T00:00:00Z
@@ -64,6 +65,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/batonhq/baton/natsconn"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -79,11 +81,20 @@ func main() {
 
 func run(ctx context.Context) error {
 	// Configuration comes from the environment; flags override it.
-	natsURL := os.Getenv("BATON_NATS_URL")
+	// The URL may come from a file (BATON_NATS_URL_FILE), the login and TLS from files too.
+	natsURL, natsURLFile := os.Getenv(natsconn.EnvURL), os.Getenv(natsconn.EnvURLFile)
+	sec := natsconn.Settings{Creds: os.Getenv(natsconn.EnvCreds), NKey: os.Getenv(natsconn.EnvNKey),
+		CA: os.Getenv(natsconn.EnvCA), Cert: os.Getenv(natsconn.EnvCert), Key: os.Getenv(natsconn.EnvKey)}
 	prefix := envOr("BATON_SUBJECT_PREFIX", wire.DefaultSubjectPrefix)
 	logLevel := envOr("BATON_LOG_LEVEL", "info")
 	logFormat := envOr("BATON_LOG_FORMAT", "text")
 	flag.Var(envFlag{&natsURL}, "nats-url", "NATS server `url`s, comma-separated [env BATON_NATS_URL]")
+	flag.Var(envFlag{&natsURLFile}, "nats-url-file", "`file` holding the NATS url(s) [env BATON_NATS_URL_FILE]")
+	flag.Var(envFlag{&sec.Creds}, "nats-creds", "NATS user credentials `file` (.creds) [env BATON_NATS_CREDS]")
+	flag.Var(envFlag{&sec.NKey}, "nats-nkey", "`file` holding a NATS user nkey seed [env BATON_NATS_NKEY]")
+	flag.Var(envFlag{&sec.CA}, "nats-ca", "PEM `file` of the CAs that verify the NATS server [env BATON_NATS_CA]")
+	flag.Var(envFlag{&sec.Cert}, "nats-cert", "PEM client certificate `file` for NATS [env BATON_NATS_CERT]")
+	flag.Var(envFlag{&sec.Key}, "nats-key", "PEM private key `file` of --nats-cert [env BATON_NATS_KEY]")
 	flag.Var(envFlag{&prefix}, "subject-prefix", "subject `prefix` (default agent) [env BATON_SUBJECT_PREFIX]")
 	flag.Var(envFlag{&logLevel}, "log-level", "log `level`: debug, info, warn, error (default info) [env BATON_LOG_LEVEL]")
 	flag.Var(envFlag{&logFormat}, "log-format", "log `format`: text or json (default text) [env BATON_LOG_FORMAT]")
@@ -98,7 +109,11 @@ func run(ctx context.Context) error {
 	if flag.NArg() > 0 {
 		return fmt.Errorf("unexpected argument %q", flag.Arg(0))
 	}
-	if natsURL == "" {
+	var err error
+	if sec.URL, err = natsconn.ValueOrFile(natsconn.EnvURL, natsURL, natsconn.EnvURLFile, natsURLFile); err != nil {
+		return err
+	}
+	if sec.URL == "" {
 		return errors.New("BATON_NATS_URL is not set: set it or pass --nats-url")
 	}
 	log, err := newLogger(logLevel, logFormat)
@@ -118,9 +133,10 @@ func run(ctx context.Context) error {
 		return errors.New("--remember and --max-content must be at least 1")
 	}
 
-	nc, err := nats.Connect(natsURL, nats.Name("outcome-subscriber"), nats.MaxReconnects(-1))
+	// A refused login ends here, with an error naming the servers and the settings.
+	nc, err := sec.Connect(nats.Name("outcome-subscriber"), nats.MaxReconnects(-1))
 	if err != nil {
-		return fmt.Errorf("connect to NATS: %w", err)
+		return err
 	}
 	defer nc.Close()
 

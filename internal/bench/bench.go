@@ -19,7 +19,7 @@ type runner struct {
 }
 
 // Run runs the benchmark cfg describes and returns what it measured. It creates a database
-// of its own on cfg.DatabaseURL's server and streams of its own on cfg.NATSURL's, and removes
+// of its own on cfg.DatabaseURL's server and streams of its own on cfg.NATS's, and removes
 // them before it returns, also when ctx ends.
 func Run(ctx context.Context, cfg Config) (*Report, error) {
 	cfg, err := cfg.withDefaults()

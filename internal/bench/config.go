@@ -8,6 +8,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/batonhq/baton/natsconn"
 )
 
 // Defaults of Config.
@@ -59,9 +61,10 @@ type Config struct {
 	// database of its own, dropped at the end, as a role that may create databases and
 	// replicate. Required.
 	DatabaseURL string
-	// NATSURL is a NATS server with JetStream; the run's streams are named BENCH_<run id>_…
+	// NATS is a NATS server with JetStream (its URL, login and TLS settings); the run's
+	// streams are named BENCH_<run id>_…
 	// and deleted at the end. Required.
-	NATSURL string
+	NATS natsconn.Settings
 	// NATSInProcess says the NATS server runs in this process, so that this process's CPU
 	// time during a relay's catch-up is the server's (plus the bench's polling). Default
 	// false: NATS CPU is not reported.
@@ -119,7 +122,7 @@ func (cfg Config) withDefaults() (Config, error) {
 		cfg.Progress = io.Discard
 	}
 	var errs []error
-	if cfg.DatabaseURL == "" || cfg.NATSURL == "" {
+	if cfg.DatabaseURL == "" || cfg.NATS.URL == "" {
 		errs = append(errs, errors.New("a database URL and a NATS URL are required"))
 	}
 	if len(cfg.RelayCommand) == 0 || len(cfg.PlainRelayCommand) == 0 {

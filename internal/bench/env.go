@@ -99,8 +99,8 @@ func (e *env) open(ctx context.Context) error {
 	if err := createConversations(ctx, e.pool, conversations); err != nil {
 		return err
 	}
-	if e.nc, err = nats.Connect(e.cfg.NATSURL, nats.Name("baton-bench"), nats.MaxReconnects(-1)); err != nil {
-		return fmt.Errorf("connect to NATS: %w", err)
+	if e.nc, err = e.cfg.NATS.Connect(nats.Name("baton-bench"), nats.MaxReconnects(-1)); err != nil {
+		return err
 	}
 	if e.js, err = jetstream.New(e.nc); err != nil {
 		return fmt.Errorf("jetstream: %w", err)
@@ -216,17 +216,17 @@ func (e *env) deleteStreams(ctx context.Context, prefix string) error {
 }
 
 // childEnvFor returns the environment of a relay child on slot and prefix: the run's
-// database and NATS server, logs in text at info (the bench reads "streaming").
+// database and NATS server (with its login and TLS settings), logs in text at info (the
+// bench reads "streaming").
 func (e *env) childEnvFor(slot, prefix string, extra ...string) []string {
-	return append([]string{
-		"BATON_DATABASE_URL=" + e.dbURL,
-		"BATON_NATS_URL=" + e.cfg.NATSURL,
-		"BATON_SLOT=" + slot,
-		"BATON_SUBJECT_PREFIX=" + prefix,
-		"BATON_PUBLICATION=" + publication,
+	return append(append(e.cfg.NATS.Environ(),
+		"BATON_DATABASE_URL="+e.dbURL,
+		"BATON_SLOT="+slot,
+		"BATON_SUBJECT_PREFIX="+prefix,
+		"BATON_PUBLICATION="+publication,
 		"BATON_LOG_LEVEL=info",
 		"BATON_LOG_FORMAT=text",
-	}, extra...)
+	), extra...)
 }
 
 // startRelay starts `baton relay` on slot and prefix.

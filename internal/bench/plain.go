@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/batonhq/baton/natsconn"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -26,8 +27,8 @@ const PlainWindow = 4096
 type PlainRelayConfig struct {
 	// DatabaseURL is the database whose slot is read. Required.
 	DatabaseURL string
-	// NATSURL is the NATS server to publish to. Required.
-	NATSURL string
+	// NATS is the NATS server to publish to (its URL, login and TLS settings). Required.
+	NATS natsconn.Settings
 	// Slot is the pgoutput slot to stream, which must exist. Required.
 	Slot string
 	// SubjectPrefix is the subject prefix; the stream is wire.StreamName(prefix, turns),
@@ -54,12 +55,12 @@ func RunPlainRelay(ctx context.Context, cfg PlainRelayConfig) error {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	if cfg.DatabaseURL == "" || cfg.NATSURL == "" || cfg.Slot == "" || cfg.SubjectPrefix == "" {
+	if cfg.DatabaseURL == "" || cfg.NATS.URL == "" || cfg.Slot == "" || cfg.SubjectPrefix == "" {
 		return errors.New("plain relay: the database URL, NATS URL, slot and subject prefix are required")
 	}
-	nc, err := nats.Connect(cfg.NATSURL, nats.Name("baton-bench-plain-relay"))
+	nc, err := cfg.NATS.Connect(nats.Name("baton-bench-plain-relay"))
 	if err != nil {
-		return fmt.Errorf("plain relay: connect to NATS: %w", err)
+		return fmt.Errorf("plain relay: %w", err)
 	}
 	defer nc.Close()
 	pr, err := newPlainRelay(ctx, nc, cfg.SubjectPrefix, cfg.Window)

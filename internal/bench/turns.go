@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/natsconn"
 )
 
 // Defaults of TurnsConfig's fields.
@@ -125,10 +126,10 @@ type TurnsConfig struct {
 	// there and drops it afterwards, with its replication slot; it never writes to the
 	// database the URL names. Default: empty, a throwaway cluster started by the bench.
 	DatabaseURL string
-	// NATSURL names a NATS server with JetStream. Every phase uses streams of its own (a
-	// subject prefix of its own), deleted afterwards. Default: empty, an embedded server
-	// started in this process.
-	NATSURL string
+	// NATS names a NATS server with JetStream (its URL, login and TLS settings). Every phase
+	// uses streams of its own (a subject prefix of its own), deleted afterwards. Default: no
+	// URL, an embedded server started in this process.
+	NATS natsconn.Settings
 	// RelayCommand runs `baton relay`: the program and its arguments. The bench gives it its
 	// configuration in BATON_* environment variables (the caller's BATON_* are not passed on)
 	// and stops it with SIGTERM. Required.

@@ -22,6 +22,7 @@ import (
 	"github.com/batonhq/baton/internal/config"
 	"github.com/batonhq/baton/internal/throwaway"
 	"github.com/batonhq/baton/migrations"
+	"github.com/batonhq/baton/natsconn"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -52,7 +53,7 @@ var ErrTurnsNoPostgres = errors.New("the bench needs PostgreSQL and found no ser
 type turnsEnv struct {
 	cfg         *TurnsConfig
 	databaseURL string // the server's, as given or of the throwaway cluster
-	natsURL     string
+	natsCfg     natsconn.Settings
 	postgres    string // what the report says of the server: throwaway, or the redacted URL
 	nats        string
 	admin       *pgxpool.Pool
@@ -66,7 +67,7 @@ type turnsEnv struct {
 // startTurnsEnv starts the servers cfg does not name and connects to both. Starting is not cut
 // short by ctx (a half-started server would escape the cleanup); ctx's end is checked after.
 func startTurnsEnv(ctx context.Context, cfg *TurnsConfig) (_ *turnsEnv, err error) {
-	e := &turnsEnv{cfg: cfg, databaseURL: cfg.DatabaseURL, natsURL: cfg.NATSURL}
+	e := &turnsEnv{cfg: cfg, databaseURL: cfg.DatabaseURL, natsCfg: cfg.NATS}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, e.close())
@@ -100,7 +101,7 @@ func startTurnsEnv(ctx context.Context, cfg *TurnsConfig) (_ *turnsEnv, err erro
 	} else {
 		e.postgres = config.Redact(e.databaseURL)
 	}
-	if e.natsURL == "" {
+	if e.natsCfg.URL == "" {
 		dir, err := os.MkdirTemp("", "baton-bench-nats-")
 		if err != nil {
 			return nil, fmt.Errorf("NATS store dir: %w", err)
@@ -116,10 +117,10 @@ func startTurnsEnv(ctx context.Context, cfg *TurnsConfig) (_ *turnsEnv, err erro
 			return nil, fmt.Errorf("start an embedded NATS server: %w", err)
 		}
 		e.stops = append(e.stops, func() error { srv.Stop(); return nil })
-		e.natsURL = srv.URL()
+		e.natsCfg = natsconn.Settings{URL: srv.URL()}
 		e.nats = "embedded in this process, " + srv.URL()
 	} else {
-		e.nats = config.Redact(e.natsURL)
+		e.nats = config.Redact(e.natsCfg.URL)
 	}
 	if ctx.Err() != nil {
 		return nil, ctx.Err()
@@ -142,9 +143,9 @@ func startTurnsEnv(ctx context.Context, cfg *TurnsConfig) (_ *turnsEnv, err erro
 	if walLevel != "logical" {
 		return nil, fmt.Errorf("PostgreSQL runs with wal_level=%s; the relay needs wal_level=logical", walLevel)
 	}
-	nc, err := nats.Connect(e.natsURL, nats.Name("baton-bench"))
+	nc, err := e.natsCfg.Connect(nats.Name("baton-bench"))
 	if err != nil {
-		return nil, fmt.Errorf("connect to NATS at %s: %w", config.Redact(e.natsURL), err)
+		return nil, err
 	}
 	e.stops = append(e.stops, func() error { nc.Close(); return nil })
 	e.nc = nc
@@ -298,9 +299,9 @@ func (e *turnsEnv) relayEnv(db *turnsDB) []string {
 			env = append(env, kv)
 		}
 	}
+	env = append(env, e.natsCfg.Environ()...)
 	return append(env,
 		config.EnvDatabaseURL+"="+db.url,
-		config.EnvNATSURL+"="+e.natsURL,
 		config.EnvSubjectPrefix+"="+db.prefix,
 		config.EnvSlot+"="+db.name,
 		config.EnvPublication+"="+turnsPublication,

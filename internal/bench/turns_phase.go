@@ -175,8 +175,8 @@ func (b *Turns) newWorkers(ctx context.Context, env *turnsEnv, db *turnsDB, ph t
 		ws.pools = append(ws.pools, pool)
 		var nc *nats.Conn
 		if ph.source == TurnsSourceJetStream {
-			if nc, err = nats.Connect(env.natsURL, nats.Name("baton-"+name), nats.MaxReconnects(-1)); err != nil {
-				return ws, fmt.Errorf("connect %s to NATS at %s: %w", name, config.Redact(env.natsURL), err)
+			if nc, err = env.natsCfg.Connect(nats.Name("baton-"+name), nats.MaxReconnects(-1)); err != nil {
+				return ws, fmt.Errorf("connect %s: %w", name, err)
 			}
 			ws.conns = append(ws.conns, nc)
 		}

@@ -6,7 +6,10 @@
 // they need. Every error names the variable (or the flag) it is about.
 //
 // Connection strings carry passwords. Redact masks them, and Config's LogValue and String use
-// it, so a Config can be logged or printed without leaking a secret.
+// it, so a Config can be logged or printed without leaking a secret. They may also come from
+// files (BATON_DATABASE_URL_FILE, BATON_NATS_URL_FILE), read by Resolve once the flags are
+// parsed. The NATS login and TLS settings (BATON_NATS_CREDS, _NKEY, _CA, _CERT, _KEY) become
+// nats.go options in package natsconn, which every Baton process connects through (NATS).
 package config
 
 import (
@@ -24,22 +27,30 @@ import (
 	"github.com/caarlos0/env/v11"
 
 	"github.com/batonhq/baton/internal/pgname"
+	"github.com/batonhq/baton/natsconn"
 	"github.com/batonhq/baton/wire"
 )
 
 // Names of the environment variables Baton reads.
 const (
-	EnvDatabaseURL   = "BATON_DATABASE_URL"
-	EnvNATSURL       = "BATON_NATS_URL"
-	EnvSubjectPrefix = "BATON_SUBJECT_PREFIX"
-	EnvSlot          = "BATON_SLOT"
-	EnvPublication   = "BATON_PUBLICATION"
-	EnvSchema        = "BATON_SCHEMA"
-	EnvMetricsAddr   = "BATON_METRICS_ADDR"
-	EnvPprofAddr     = "BATON_PPROF_ADDR"
-	EnvFatalLinger   = "BATON_FATAL_LINGER"
-	EnvLogLevel      = "BATON_LOG_LEVEL"
-	EnvLogFormat     = "BATON_LOG_FORMAT"
+	EnvDatabaseURL     = "BATON_DATABASE_URL"
+	EnvDatabaseURLFile = "BATON_DATABASE_URL_FILE"
+	EnvNATSURL         = natsconn.EnvURL
+	EnvNATSURLFile     = natsconn.EnvURLFile
+	EnvNATSCreds       = natsconn.EnvCreds
+	EnvNATSNKey        = natsconn.EnvNKey
+	EnvNATSCA          = natsconn.EnvCA
+	EnvNATSCert        = natsconn.EnvCert
+	EnvNATSKey         = natsconn.EnvKey
+	EnvSubjectPrefix   = "BATON_SUBJECT_PREFIX"
+	EnvSlot            = "BATON_SLOT"
+	EnvPublication     = "BATON_PUBLICATION"
+	EnvSchema          = "BATON_SCHEMA"
+	EnvMetricsAddr     = "BATON_METRICS_ADDR"
+	EnvPprofAddr       = "BATON_PPROF_ADDR"
+	EnvFatalLinger     = "BATON_FATAL_LINGER"
+	EnvLogLevel        = "BATON_LOG_LEVEL"
+	EnvLogFormat       = "BATON_LOG_FORMAT"
 )
 
 // DefaultFatalLinger is FatalLinger's default, as a duration.
@@ -56,9 +67,27 @@ type Config struct {
 	// DatabaseURL is the PostgreSQL connection string: a postgres:// URL or key=value pairs.
 	// Default: none; commands that talk to Postgres require it.
 	DatabaseURL string `env:"BATON_DATABASE_URL"`
-	// NATSURL is the NATS server URL, or several separated by commas.
-	// Default: none; commands that talk to NATS require it.
+	// DatabaseURLFile is the path of a file holding DatabaseURL (one trailing newline is
+	// removed), for a connection string with a password in it; Resolve reads it. Setting both
+	// is an error. Default: none.
+	DatabaseURLFile string `env:"BATON_DATABASE_URL_FILE"`
+	// NATSURL is the NATS server URL, or several separated by commas. A user:password@ or
+	// token@ in it logs in with those. Default: none; commands that talk to NATS require it.
 	NATSURL string `env:"BATON_NATS_URL"`
+	// NATSURLFile is the path of a file holding NATSURL, read like DatabaseURLFile. Default: none.
+	NATSURLFile string `env:"BATON_NATS_URL_FILE"`
+	// NATSCreds is the path of a .creds file (user JWT and nkey seed) for NATS servers in
+	// operator mode. Excludes NATSNKey. Default: none.
+	NATSCreds string `env:"BATON_NATS_CREDS"`
+	// NATSNKey is the path of a file holding a user nkey seed. Default: none.
+	NATSNKey string `env:"BATON_NATS_NKEY"`
+	// NATSCA is the path of the PEM CA certificates that verify the NATS server. Default: the
+	// system's roots.
+	NATSCA string `env:"BATON_NATS_CA"`
+	// NATSCert and NATSKey are the paths of a PEM client certificate and its key, both or
+	// neither. Default: none.
+	NATSCert string `env:"BATON_NATS_CERT"`
+	NATSKey  string `env:"BATON_NATS_KEY"`
 	// SubjectPrefix is the first part of every subject: <prefix>.turns.<conv> and
 	// <prefix>.outcomes.<conv>. Dot-separated tokens of [A-Za-z0-9_-]. Default: "agent".
 	SubjectPrefix string `env:"BATON_SUBJECT_PREFIX" envDefault:"agent"`
@@ -108,7 +137,14 @@ type variable struct {
 
 var variables = []variable{
 	{EnvDatabaseURL, "PostgreSQL `url` (postgres://... or key=value)", func(c *Config) *string { return &c.DatabaseURL }},
+	{EnvDatabaseURLFile, "`file` holding the PostgreSQL url, instead of --database-url", func(c *Config) *string { return &c.DatabaseURLFile }},
 	{EnvNATSURL, "NATS server `url`s, comma-separated", func(c *Config) *string { return &c.NATSURL }},
+	{EnvNATSURLFile, "`file` holding the NATS url(s), instead of --nats-url", func(c *Config) *string { return &c.NATSURLFile }},
+	{EnvNATSCreds, "NATS user credentials `file` (.creds: JWT and nkey seed)", func(c *Config) *string { return &c.NATSCreds }},
+	{EnvNATSNKey, "`file` holding a NATS user nkey seed", func(c *Config) *string { return &c.NATSNKey }},
+	{EnvNATSCA, "PEM `file` of the CA certificates that verify the NATS server", func(c *Config) *string { return &c.NATSCA }},
+	{EnvNATSCert, "PEM client certificate `file` for NATS (with --nats-key)", func(c *Config) *string { return &c.NATSCert }},
+	{EnvNATSKey, "PEM private key `file` of --nats-cert", func(c *Config) *string { return &c.NATSKey }},
 	{EnvSubjectPrefix, "subject `prefix` (default agent)", func(c *Config) *string { return &c.SubjectPrefix }},
 	{EnvSlot, "replication slot `name` (default baton)", func(c *Config) *string { return &c.Slot }},
 	{EnvPublication, "publication `name` (default baton)", func(c *Config) *string { return &c.Publication }},
@@ -130,18 +166,26 @@ func lookup(envName string) (variable, bool) {
 	return variable{}, false
 }
 
+// companions are the variables BindFlags binds with a variable: a URL's file, and the NATS
+// login and TLS settings with the NATS URL.
+var companions = map[string][]string{
+	EnvDatabaseURL: {EnvDatabaseURLFile},
+	EnvNATSURL:     {EnvNATSURLFile, EnvNATSCreds, EnvNATSNKey, EnvNATSCA, EnvNATSCert, EnvNATSKey},
+}
+
 // FlagName returns the flag that overrides a variable: BATON_DATABASE_URL → database-url.
 func FlagName(envName string) string {
 	return strings.ReplaceAll(strings.ToLower(strings.TrimPrefix(envName, "BATON_")), "_", "-")
 }
 
-// Load reads the configuration from the environment, fills defaults and validates it.
+// Load reads the configuration from the environment, fills defaults, reads the files it
+// names and validates it (Resolve).
 func Load() (Config, error) {
 	c, err := FromEnv()
 	if err != nil {
 		return Config{}, err
 	}
-	if err := c.Validate(); err != nil {
+	if err := c.Resolve(); err != nil {
 		return Config{}, err
 	}
 	return c, nil
@@ -159,13 +203,22 @@ func FromEnv() (Config, error) {
 
 // BindFlags defines on fs one flag for each named variable (see FlagName), writing into c.
 // Flags override the environment. Their defaults are not printed by fs.PrintDefaults, so a
-// password from the environment never appears in usage output. It panics on an unknown
-// variable name, like fs does on a flag defined twice.
+// password from the environment never appears in usage output. BATON_DATABASE_URL brings
+// --database-url-file with it, and BATON_NATS_URL brings --nats-url-file and the NATS login
+// and TLS flags (--nats-creds, --nats-nkey, --nats-ca, --nats-cert, --nats-key). It panics on
+// an unknown variable name, like fs does on a flag defined twice.
 func (c *Config) BindFlags(fs *flag.FlagSet, envNames ...string) {
 	if c.flags == nil {
 		c.flags = map[string]*boundFlag{}
 	}
+	var all []string
 	for _, name := range envNames {
+		all = append(append(all, name), companions[name]...)
+	}
+	for _, name := range all {
+		if c.flags[name] != nil {
+			continue // named and brought by a companion
+		}
 		v, ok := lookup(name)
 		if !ok {
 			panic("config: BindFlags: unknown variable " + name)
@@ -201,6 +254,54 @@ func (c Config) Source(envName string) string {
 	return envName
 }
 
+// flagSet reports whether a flag bound by BindFlags set the variable.
+func (c Config) flagSet(envName string) bool {
+	b := c.flags[envName]
+	return b != nil && b.set
+}
+
+// Resolve reads the URLs given as files (DatabaseURLFile, NATSURLFile) into DatabaseURL and
+// NATSURL, then validates (Validate) and checks the NATS login and TLS files
+// (natsconn.Settings.Options). Commands call it once their flags are parsed. A URL and its file both set is an
+// error, unless one of them came from a flag: flags override the environment. Errors name the
+// variables (or flags) and paths, never a file's contents.
+func (c *Config) Resolve() error {
+	var errs []error
+	for _, p := range []struct {
+		env, fileEnv string
+		value, file  *string
+	}{
+		{EnvDatabaseURL, EnvDatabaseURLFile, &c.DatabaseURL, &c.DatabaseURLFile},
+		{EnvNATSURL, EnvNATSURLFile, &c.NATSURL, &c.NATSURLFile},
+	} {
+		value, file := *p.value, *p.file
+		switch valueFlag, fileFlag := c.flagSet(p.env), c.flagSet(p.fileEnv); {
+		case valueFlag && !fileFlag:
+			file = ""
+		case fileFlag && !valueFlag:
+			value = ""
+		}
+		v, err := natsconn.ValueOrFile(c.Source(p.env), value, c.Source(p.fileEnv), file)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		*p.value, *p.file = v, "" // read: resolving again keeps the value
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	_, err := c.NATS().Options()
+	return errors.Join(c.Validate(), err)
+}
+
+// NATS returns the settings that connect to NATS, for natsconn: the URL and the login and
+// TLS files.
+func (c Config) NATS() natsconn.Settings {
+	return natsconn.Settings{URL: c.NATSURL, Creds: c.NATSCreds, NKey: c.NATSNKey, CA: c.NATSCA,
+		Cert: c.NATSCert, Key: c.NATSKey}
+}
+
 // Validate checks every value that is set and returns all problems found, each naming its
 // variable (or the flag that set it). An empty DatabaseURL, NATSURL or MetricsAddr is
 // valid: see Require.
@@ -218,6 +319,10 @@ func (c Config) Validate() error {
 		if err := checkNATSURL(c.NATSURL); err != nil {
 			bad(EnvNATSURL, "%v", err)
 		}
+	} else if c.NATS().Secure() {
+		// Never applied to a server of the command's own (the demo's, the bench's): say so.
+		errs = append(errs, fmt.Errorf("the NATS login and TLS settings (%s, %s, %s, %s, %s) need %s",
+			EnvNATSCreds, EnvNATSNKey, EnvNATSCA, EnvNATSCert, EnvNATSKey, EnvNATSURL))
 	}
 	if err := wire.ValidatePrefix(c.SubjectPrefix); err != nil {
 		bad(EnvSubjectPrefix, "must be dot-separated tokens of [A-Za-z0-9_-], no wildcards (got %q)", c.SubjectPrefix)
@@ -370,7 +475,14 @@ func (c Config) Logger(w io.Writer) *slog.Logger {
 func (c Config) LogValue() slog.Value {
 	return slog.GroupValue(
 		slog.String("database_url", Redact(c.DatabaseURL)),
+		slog.String("database_url_file", c.DatabaseURLFile),
 		slog.String("nats_url", Redact(c.NATSURL)),
+		slog.String("nats_url_file", c.NATSURLFile),
+		slog.String("nats_creds", c.NATSCreds),
+		slog.String("nats_nkey", c.NATSNKey),
+		slog.String("nats_ca", c.NATSCA),
+		slog.String("nats_cert", c.NATSCert),
+		slog.String("nats_key", c.NATSKey),
 		slog.String("subject_prefix", c.SubjectPrefix),
 		slog.String("slot", c.Slot),
 		slog.String("publication", c.Publication),
@@ -385,12 +497,12 @@ func (c Config) LogValue() slog.Value {
 
 // String formats the configuration with passwords redacted, for %v, %+v and %s.
 func (c Config) String() string {
-	return fmt.Sprintf("{DatabaseURL:%s NATSURL:%s SubjectPrefix:%s Slot:%s Publication:%s Schema:%s MetricsAddr:%s PprofAddr:%s FatalLinger:%s LogLevel:%s LogFormat:%s}",
-		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
+	return fmt.Sprintf("{DatabaseURL:%s DatabaseURLFile:%s NATSURL:%s NATSURLFile:%s NATSCreds:%s NATSNKey:%s NATSCA:%s NATSCert:%s NATSKey:%s SubjectPrefix:%s Slot:%s Publication:%s Schema:%s MetricsAddr:%s PprofAddr:%s FatalLinger:%s LogLevel:%s LogFormat:%s}",
+		Redact(c.DatabaseURL), c.DatabaseURLFile, Redact(c.NATSURL), c.NATSURLFile, c.NATSCreds, c.NATSNKey, c.NATSCA, c.NATSCert, c.NATSKey, c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
 }
 
 // GoString formats the configuration with passwords redacted, for %#v.
 func (c Config) GoString() string {
-	return fmt.Sprintf("config.Config{DatabaseURL:%q, NATSURL:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, Schema:%q, MetricsAddr:%q, PprofAddr:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q}",
-		Redact(c.DatabaseURL), Redact(c.NATSURL), c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
+	return fmt.Sprintf("config.Config{DatabaseURL:%q, DatabaseURLFile:%q, NATSURL:%q, NATSURLFile:%q, NATSCreds:%q, NATSNKey:%q, NATSCA:%q, NATSCert:%q, NATSKey:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, Schema:%q, MetricsAddr:%q, PprofAddr:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q}",
+		Redact(c.DatabaseURL), c.DatabaseURLFile, Redact(c.NATSURL), c.NATSURLFile, c.NATSCreds, c.NATSNKey, c.NATSCA, c.NATSCert, c.NATSKey, c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
 }

@@ -17,25 +17,30 @@ var schemePattern = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9+.-]*://`)
 //
 //   - URLs (postgres://, postgresql://, nats://, tls://, ws://, wss://): a password in the
 //     userinfo becomes xxxxx (user:pass@ → user:xxxxx@), and so does the value of every query
-//     parameter whose name ends in "password" (password=, sslpassword=);
+//     parameter whose name ends in "password" (password=, sslpassword=), and of options=
+//     when it sets a server setting named like a password (options=-c app.password=...);
 //   - NATS server lists (comma-separated, with or without scheme), where a user without a
 //     password is a token and is masked whole (nats://s3cret@host → nats://xxxxx@host);
 //   - PostgreSQL key=value strings (host=db password='a b'), where the value of every key
-//     ending in "password" is masked.
+//     ending in "password" is masked, and that of options as in URLs.
 //
 // It errs on the side of masking: the userinfo is everything up to the last '@', so a
-// password holding '/', '?', ':' or '@' is still masked, and a key=value string it cannot
-// parse is masked from the point where parsing failed.
+// password holding '/', '?', ':', '=' or '@' is still masked, and a key=value string it cannot
+// parse is masked from the point where parsing failed. A string with no scheme, no white
+// space, an '@' and an '=' (user:pa=ss@host, token==@host, password=a@b) reads as a URL and
+// as key=value pairs: what either reading calls a secret is masked.
 func Redact(s string) string {
 	switch {
 	case s == "":
 		return ""
 	case hasPostgresScheme(s):
-		return redactURL(s, false)
+		return maskSpans(s, urlSpans(s, 0, false, nil))
 	case schemePattern.MatchString(s) || !strings.Contains(s, "="):
-		return redactServerList(s)
+		return maskSpans(s, serverListSpans(s))
+	case !strings.ContainsFunc(s, isSpaceRune) && strings.Contains(s, "@"):
+		return maskSpans(s, append(serverListSpans(s), keyValueSpans(s)...))
 	default:
-		return redactKeyValues(s)
+		return maskSpans(s, keyValueSpans(s))
 	}
 }
 
@@ -44,24 +49,30 @@ func hasPostgresScheme(s string) bool {
 	return strings.HasPrefix(l, "postgres://") || strings.HasPrefix(l, "postgresql://")
 }
 
-// redactServerList redacts a comma-separated list of NATS server URLs.
-func redactServerList(s string) string {
+// serverListSpans returns the byte ranges of s to mask when s is a comma-separated list of
+// NATS server URLs.
+func serverListSpans(s string) [][2]int {
+	var spans [][2]int
+	off := 0
 	pieces := strings.Split(s, ",")
 	for i, p := range pieces {
-		if !strings.Contains(p, "@") && !parses(p) {
-			// A password with an unescaped comma splits one URL into pieces; a piece that is
-			// not a valid URL may be a fragment of one, so hide all of it but the scheme.
-			scheme, _, ok := strings.Cut(p, "://")
-			if ok {
-				pieces[i] = scheme + "://" + mask
-			} else {
-				pieces[i] = mask
+		// A password with an unescaped comma splits one URL into pieces: a piece that is
+		// not a valid URL, or that comes before a piece holding an '@' with no scheme of
+		// its own, may be the start of one (nats://u:000,111@host), so hide all of it but
+		// the scheme.
+		tailFollows := i+1 < len(pieces) && strings.Contains(pieces[i+1], "@") && !strings.Contains(pieces[i+1], "://")
+		if !strings.Contains(p, "@") && (tailFollows || !parses(p)) {
+			start := off
+			if scheme, _, ok := strings.Cut(p, "://"); ok {
+				start += len(scheme) + len("://")
 			}
-			continue
+			spans = append(spans, [2]int{start, off + len(p)})
+		} else {
+			spans = urlSpans(p, off, true, spans)
 		}
-		pieces[i] = redactURL(p, true)
+		off += len(p) + 1
 	}
-	return strings.Join(pieces, ",")
+	return spans
 }
 
 func parses(p string) bool {
@@ -73,40 +84,39 @@ func parses(p string) bool {
 	return err == nil
 }
 
-// redactURL masks the userinfo password (or, with userIsSecret, a user without password:
-// a NATS token) and secret query parameters of one URL. The scheme is optional.
+// urlSpans appends to spans the byte ranges, shifted by off, of the userinfo password (or, with
+// userIsSecret, of a user without password: a NATS token) and of the secret query parameters
+// of the URL s. The scheme is optional.
 //
 // The userinfo ends at the last '@' and the query starts at the first '?'. When a '?' comes
 // before that '@', either the password holds a '?' or a query value holds an '@'; both
 // readings are masked.
-func redactURL(s string, userIsSecret bool) string {
-	prefix, rest := "", s
-	if scheme, after, ok := strings.Cut(s, "://"); ok {
-		prefix, rest = scheme+"://", after
+func urlSpans(s string, off int, userIsSecret bool, spans [][2]int) [][2]int {
+	if scheme, _, ok := strings.Cut(s, "://"); ok {
+		off += len(scheme) + len("://")
+		s = s[len(scheme)+len("://"):]
 	}
-	var spans [][2]int // byte ranges of rest to mask
-	if at := strings.LastIndexByte(rest, '@'); at >= 0 {
-		if colon := strings.IndexByte(rest[:at], ':'); colon >= 0 {
-			spans = append(spans, [2]int{colon + 1, at})
+	if at := strings.LastIndexByte(s, '@'); at >= 0 {
+		if colon := strings.IndexByte(s[:at], ':'); colon >= 0 {
+			spans = append(spans, [2]int{off + colon + 1, off + at})
 		} else if userIsSecret {
-			spans = append(spans, [2]int{0, at})
+			spans = append(spans, [2]int{off, off + at})
 		}
 	}
-	if q := strings.IndexByte(rest, '?'); q >= 0 {
-		off := q + 1
-		for _, pair := range strings.Split(rest[q+1:], "&") {
+	if q := strings.IndexByte(s, '?'); q >= 0 {
+		i := off + q + 1
+		for _, pair := range strings.Split(s[q+1:], "&") {
 			key, value, hasValue := strings.Cut(pair, "=")
 			if k, err := url.QueryUnescape(key); err == nil {
 				key = k
 			}
-			if hasValue && isSecretKey(key) {
-				start := off + len(pair) - len(value)
-				spans = append(spans, [2]int{start, off + len(pair)})
+			if hasValue && (isSecretKey(key) || isSecretOptions(key, value)) {
+				spans = append(spans, [2]int{i + len(pair) - len(value), i + len(pair)})
 			}
-			off += len(pair) + 1
+			i += len(pair) + 1
 		}
 	}
-	return prefix + maskSpans(rest, spans)
+	return spans
 }
 
 // maskSpans replaces each of the byte ranges of s, merged where they overlap, by mask.
@@ -136,26 +146,35 @@ func isSecretKey(key string) bool {
 	return strings.HasSuffix(strings.ToLower(strings.TrimSpace(key)), "password")
 }
 
-// redactKeyValues masks secret values of a PostgreSQL key=value connection string. What
-// cannot be parsed is masked from the point where parsing failed.
-func redactKeyValues(s string) string {
+// isSecretOptions reports whether a connection parameter is options (the server settings
+// sent at connection start, -c name=value ...) and sets one whose name holds "password"
+// (options='-c app.password=...'): its value is masked whole, since where one setting ends
+// depends on quoting that differs between the two forms of connection strings.
+func isSecretOptions(key, value string) bool {
+	if !strings.EqualFold(strings.TrimSpace(key), "options") {
+		return false
+	}
+	if v, err := url.QueryUnescape(value); err == nil {
+		value = v
+	}
+	return strings.Contains(strings.ToLower(value), "password")
+}
+
+// keyValueSpans returns the byte ranges of s to mask when s is a PostgreSQL key=value
+// connection string: the secret values, and what cannot be parsed from the point where
+// parsing failed.
+func keyValueSpans(s string) [][2]int {
 	pairs, failAt := scanKeyValues(s)
-	var b strings.Builder
-	last := 0
+	var spans [][2]int
 	for _, p := range pairs {
-		if isSecretKey(p.key) {
-			b.WriteString(s[last:p.start])
-			b.WriteString(mask)
-			last = p.end
+		if isSecretKey(p.key) || isSecretOptions(p.key, s[p.start:p.end]) {
+			spans = append(spans, [2]int{p.start, p.end})
 		}
 	}
 	if failAt >= 0 {
-		b.WriteString(s[last:failAt])
-		b.WriteString(mask)
-		return b.String()
+		spans = append(spans, [2]int{failAt, len(s)})
 	}
-	b.WriteString(s[last:])
-	return b.String()
+	return spans
 }
 
 // kvPair is one key=value of a connection string; start and end delimit the value in the
@@ -168,8 +187,12 @@ type kvPair struct {
 // scanKeyValues splits a PostgreSQL key=value connection string the way libpq does: pairs
 // separated by whitespace, optional whitespace around '=', values either single-quoted
 // (backslash escapes ' and \) or unquoted up to the next whitespace (backslash escapes the
-// next byte). It returns the pairs it read and, when the string does not parse, the offset
-// of the pair that failed (-1 when it parsed and holds at least one pair).
+// next byte). A key is a word of letters, digits, '_' and '.' (a libpq keyword, or the name
+// of a server setting such as search_path or app.tenant): anything else there is a URL
+// without its scheme (user:pa=ss@host) or a typo, not a connection string, and the driver
+// would send it to the server as a setting's name, which the server's error then quotes. It
+// returns the pairs it read and, when the string does not parse, the offset of the pair that
+// failed (-1 when it parsed and holds at least one pair).
 func scanKeyValues(s string) (pairs []kvPair, failAt int) {
 	i := 0
 	skipSpace := func() {
@@ -191,7 +214,7 @@ func scanKeyValues(s string) (pairs []kvPair, failAt int) {
 		}
 		key := s[keyStart:i]
 		skipSpace()
-		if key == "" || i == len(s) || s[i] != '=' {
+		if !isKeyword(key) || i == len(s) || s[i] != '=' {
 			return pairs, keyStart
 		}
 		i++ // '='
@@ -225,6 +248,24 @@ func scanKeyValues(s string) (pairs []kvPair, failAt int) {
 		}
 		pairs = append(pairs, kvPair{key: key, start: start, end: i})
 	}
+}
+
+// isKeyword reports whether key may be the key of a key=value connection string.
+func isKeyword(key string) bool {
+	if key == "" {
+		return false
+	}
+	for i := 0; i < len(key); i++ {
+		c := key[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '.') {
+			return false
+		}
+	}
+	return true
+}
+
+func isSpaceRune(r rune) bool {
+	return r == ' ' || r == '\t' || r == '\n' || r == '\r' || r == '\f' || r == '\v'
 }
 
 func isSpace(c byte) bool {

@@ -14,6 +14,10 @@ import (
 //     scheme://user:xxxxx@host), or the whole userinfo when it has no password, since that
 //     is a token (scheme://token@host → scheme://xxxxx@host). The userinfo runs up to the
 //     last '@' before whitespace, a quote, '/', '?' or '#';
+//   - the password of a URL without its scheme (user:secret@host → user:xxxxx@host), where
+//     the user name starts the text or follows whitespace, a quote, an opening bracket, '=',
+//     ',' or ';'. Without a ':' it is an e-mail address, or a token that cannot be told from
+//     one, and is left alone;
 //   - the value of query parameters and key=value, key: value and "key":"value" pairs
 //     whose key (case-insensitive) contains password, passwd, pwd, secret, token, api_key,
 //     apikey, api-key, access_key, auth, credential, signature or private_key, or is sig.
@@ -35,6 +39,7 @@ import (
 func RedactText(s string) string {
 	var spans [][2]int
 	spans = urlUserinfoSpans(s, spans)
+	spans = bareUserinfoSpans(s, spans)
 	spans = secretPairSpans(s, spans)
 	spans = authSchemeSpans(s, spans)
 	spans = keyShapeSpans(s, spans)
@@ -58,6 +63,22 @@ func urlUserinfoSpans(s string, spans [][2]int) [][2]int {
 		} else if start < end {
 			spans = append(spans, [2]int{start, end})
 		}
+	}
+	return spans
+}
+
+// bareUserinfoPattern matches user:password@ with no scheme before it; group 1 is the
+// password. Being greedy, it ends at the last '@' before whitespace, a quote, '/', '?' or '#'.
+var bareUserinfoPattern = regexp.MustCompile("(?:^|[\\s\"'`(<\\[=,;])[A-Za-z0-9._~%+-]+:([^\\s/?#\"'`<>]*)@")
+
+// bareUserinfoSpans appends the password of every user:password@ without a scheme in s to
+// spans.
+func bareUserinfoSpans(s string, spans [][2]int) [][2]int {
+	if !strings.Contains(s, "@") {
+		return spans // most error text holds no userinfo: skip the slower pattern
+	}
+	for _, m := range bareUserinfoPattern.FindAllStringSubmatchIndex(s, -1) {
+		spans = append(spans, [2]int{m[2], m[3]})
 	}
 	return spans
 }

@@ -35,6 +35,16 @@ func StartPostgres(ctx context.Context) (*Postgres, error) {
 	return &Postgres{Postgres: pg}, nil
 }
 
+// StartPostgresWith is StartPostgres with options: TLS, or pg_hba.conf lines that ask for a
+// password (see throwaway.PostgresOptions).
+func StartPostgresWith(ctx context.Context, opts throwaway.PostgresOptions) (*Postgres, error) {
+	pg, err := throwaway.StartPostgresWith(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	return &Postgres{Postgres: pg}, nil
+}
+
 // Start starts the server again, on the same port and data directory, after Stop or Crash, and
 // waits until it accepts connections.
 func (p *Postgres) Start(ctx context.Context) error { return p.StartServer(ctx) }

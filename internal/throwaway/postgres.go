@@ -76,6 +76,31 @@ func isExec(path string) bool {
 // StartPostgres runs initdb in a new temp directory and starts the server on a free port. Close
 // stops it and removes the directory.
 func StartPostgres(ctx context.Context) (*Postgres, error) {
+	return StartPostgresWith(ctx, PostgresOptions{})
+}
+
+// PostgresOptions are the settings a cluster may start with beyond the throwaway defaults
+// (trust authentication, no TLS). The zero value is StartPostgres's cluster.
+type PostgresOptions struct {
+	// TLS, when set, turns ssl on with this server certificate and key.
+	TLS *PostgresTLS
+	// HBA lines go before the trust lines initdb writes to pg_hba.conf; the first line that
+	// matches a connection decides, so these can ask some roles or databases for a password
+	// (host all app 127.0.0.1/32 scram-sha-256) or for TLS (hostssl ...). Default: none.
+	HBA []string
+}
+
+// PostgresTLS is the server certificate of a cluster started with TLS.
+type PostgresTLS struct {
+	// CertPEM is the server certificate, optionally followed by its intermediates (PEM).
+	CertPEM []byte
+	// KeyPEM is the server certificate's private key (PEM, unencrypted). It is written
+	// with mode 0600, owned by the user the server runs as, as PostgreSQL requires.
+	KeyPEM []byte
+}
+
+// StartPostgresWith is StartPostgres with opts.
+func StartPostgresWith(ctx context.Context, opts PostgresOptions) (*Postgres, error) {
 	bin, err := findBinDir(ctx)
 	if err != nil {
 		return nil, err
@@ -116,6 +141,10 @@ func StartPostgres(ctx context.Context) (*Postgres, error) {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
+	if err := p.configure(opts); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
+	}
 	if p.Port, err = freePort(ctx); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
@@ -144,6 +173,45 @@ wal_sender_timeout = 60s
 max_slot_wal_keep_size = 4GB
 log_min_messages = warning
 `
+
+// configure writes what opts asks for into the data directory, before the first start.
+func (p *Postgres) configure(opts PostgresOptions) error {
+	if len(opts.HBA) > 0 {
+		path := filepath.Join(p.dataDir(), "pg_hba.conf")
+		initdbLines, err := os.ReadFile(path) //nolint:gosec // G304: a file of the cluster this package created
+		if err != nil {
+			return fmt.Errorf("read %s: %w", path, err)
+		}
+		lines := "# baton throwaway cluster: options first (the first matching line decides)\n" +
+			strings.Join(opts.HBA, "\n") + "\n\n"
+		// The file exists, owned by the cluster's user: WriteFile keeps its owner and mode.
+		if err := os.WriteFile(path, append([]byte(lines), initdbLines...), 0o600); err != nil { //nolint:gosec // G703: a file of the cluster this package created
+			return fmt.Errorf("write %s: %w", path, err)
+		}
+	}
+	if opts.TLS != nil {
+		// ssl_cert_file and ssl_key_file default to server.crt and server.key in the data
+		// directory. The server refuses a key that others may read or that is not its user's.
+		for _, f := range []struct {
+			name string
+			data []byte
+		}{{"server.crt", opts.TLS.CertPEM}, {"server.key", opts.TLS.KeyPEM}} {
+			path := filepath.Join(p.dataDir(), f.name)
+			if err := os.WriteFile(path, f.data, 0o600); err != nil {
+				return fmt.Errorf("write %s: %w", path, err)
+			}
+			if p.cred != nil {
+				if err := os.Chown(path, int(p.cred.Uid), int(p.cred.Gid)); err != nil {
+					return fmt.Errorf("chown %s: %w", path, err)
+				}
+			}
+		}
+		if err := appendFile(filepath.Join(p.dataDir(), "postgresql.conf"), "ssl = on\n"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
 
 func appendFile(path, text string) error {
 	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0) //nolint:gosec // G304: a file of the cluster this package created

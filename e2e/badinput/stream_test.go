@@ -1,0 +1,161 @@
+package badinput
+
+import (
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/consumer"
+	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/producer"
+)
+
+// TestOperatorDeletesStreams deletes the turns stream, then the outcomes stream, while
+// producers, the relay and the worker run. The relay's next publish finds no stream ("no
+// responders"): it logs a WARN naming the subject, confirms nothing past it, and its next
+// session creates the streams again and publishes from its confirmed position. The worker
+// creates its durable consumer again on the new turns stream. Events deleted with a stream
+// are gone from JetStream, not from Postgres: their rows are answered by the conversation's
+// next claim or the workers' sweep. Nothing accepted is lost: every message is answered, every
+// event of the new turns stream is acked, every row committed after a deletion has its event
+// in the new stream, and every reply committed after it its outcome.
+func TestOperatorDeletesStreams(t *testing.T) {
+	t.Parallel()
+	s := start(t, options{})
+	ctx := ctxFor(t, 3*time.Minute)
+	convs := []string{"del-a", "del-b", "del-c", "del-d"}
+	for _, c := range convs {
+		s.conversation(c)
+	}
+	// One producer per conversation sends until stopped.
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for _, c := range convs {
+		wg.Go(func() {
+			for n := 0; ; n++ {
+				select {
+				case <-stop:
+					return
+				case <-time.After(10 * time.Millisecond):
+				}
+				_, err := s.prod.Send(ctx, s.db.Pool, producer.Message{ConversationID: c, ID: fmt.Sprintf("%s-%d", c, n), Content: "hi"})
+				if err != nil {
+					t.Errorf("send: %v", err)
+					return
+				}
+			}
+		})
+	}
+	defer func() {
+		close(stop)
+		wg.Wait()
+	}()
+	// answeredSince waits until 20 rows created after since are done.
+	answeredSince := func(since time.Time) {
+		t.Helper()
+		require.Eventually(t, func() bool {
+			var n int
+			err := s.db.Pool.QueryRow(ctx, `SELECT count(*) FROM agent_outbox WHERE status = 'done' AND created_at > $1`, since).Scan(&n)
+			return err == nil && n >= 20
+		}, time.Minute, 20*time.Millisecond, "the system stopped answering")
+	}
+	answeredSince(time.Time{})
+
+	require.NoError(t, s.js.DeleteStream(ctx, "AGENT_TURNS"))
+	turnsGone := s.dbNow()
+	s.relay.waitLog(t, `"msg":"relay session ended; reconnecting"`, time.Minute, "agent.turns.", "no responders")
+	s.worker.waitLog(t, "creating the consumer again", time.Minute)
+	answeredSince(turnsGone)
+
+	require.NoError(t, s.js.DeleteStream(ctx, "AGENT_OUTCOMES"))
+	outcomesGone := s.dbNow()
+	s.relay.waitLog(t, `"msg":"relay session ended; reconnecting"`, time.Minute, "agent.outcomes.", "no responders")
+	answeredSince(outcomesGone)
+	close(stop)
+	wg.Wait()
+	stop = make(chan struct{})
+
+	s.requireAnswered(time.Minute, outcomesGone)
+	// Every row committed after the turns stream was deleted has its event in the new one (in
+	// time: a batch of turn events may still be open while outcomes published after them are
+	// stored).
+	rows := testsvc.Query[int64](t, s.db, `SELECT id FROM agent_outbox WHERE created_at > $1`, turnsGone)
+	var missing []int64
+	require.Eventually(t, func() bool {
+		msgs, err := s.tryReadStream("AGENT_TURNS")
+		if err != nil {
+			return false
+		}
+		published := map[string]bool{}
+		for _, m := range msgs {
+			published[m.Header.Get(nats.MsgIdHdr)] = true
+		}
+		missing = missing[:0]
+		for _, id := range rows {
+			if !published[fmt.Sprintf("turn:%d", id)] {
+				missing = append(missing, id)
+			}
+		}
+		return len(missing) == 0
+	}, time.Minute, 20*time.Millisecond, "outbox rows committed after the deletion have no event")
+	// And the workers took and acked every event of the new stream.
+	s.requireEventsAcked()
+	s.requireFlowing("deleted-streams")
+	requireNoErrorLogs(t, s.relay, s.worker)
+}
+
+// TestOperatorDeletesTurnsStreamDuringBurst deletes the turns stream while the relay works
+// through a burst of 5,000 rows committed in one transaction (in fast-ingest batches, as it
+// publishes while behind). The publish in flight fails: "no responders", a batch the new
+// stream does not know (err_code 10208), or no answer at all, which ends the session after
+// AckTimeout (10s). In each case the relay confirmed nothing of the transaction, so its next
+// session creates the stream and publishes the whole transaction again; the worker creates
+// its durable consumer on the new stream, and every row is answered.
+func TestOperatorDeletesTurnsStreamDuringBurst(t *testing.T) {
+	t.Parallel()
+	s := start(t, options{})
+	ctx := ctxFor(t, 3*time.Minute)
+	for i := range 50 {
+		s.conversation(fmt.Sprintf("burst-%02d", i))
+	}
+	_, err := s.db.Pool.Exec(ctx, `WITH m AS (
+			INSERT INTO messages (id, conversation_id, role, content)
+			SELECT 'burst-' || g, 'burst-' || lpad((g % 50)::text, 2, '0'), 'user', 'b' || g FROM generate_series(1, 5000) g
+			RETURNING id, conversation_id)
+		INSERT INTO agent_outbox (conversation_id, message_id) SELECT conversation_id, id FROM m ORDER BY id`)
+	require.NoError(t, err)
+	// Delete it once the relay has published some of the burst, not all.
+	require.Eventually(t, func() bool {
+		st, err := s.js.Stream(ctx, "AGENT_TURNS")
+		if err != nil {
+			return false
+		}
+		info, err := st.Info(ctx)
+		return err == nil && info.State.Msgs > 1500
+	}, time.Minute, time.Millisecond)
+	require.NoError(t, s.js.DeleteStream(ctx, "AGENT_TURNS"))
+	s.requireAllAnswered(90 * time.Second)
+	s.requireEventsAcked()
+	s.requireFlowing("deleted-during-burst")
+	requireNoErrorLogs(t, s.relay, s.worker)
+}
+
+// requireEventsAcked waits until the workers' durable consumer has taken and acked every
+// event of the turns stream: after a deletion, that it exists on the new stream.
+func (s *system) requireEventsAcked() {
+	t := s.t
+	t.Helper()
+	ctx := ctxFor(t, 2*time.Minute)
+	require.Eventually(t, func() bool {
+		c, err := s.js.Consumer(ctx, "AGENT_TURNS", consumer.DefaultDurable)
+		if err != nil {
+			return false
+		}
+		info, err := c.Info(ctx)
+		return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && info.Delivered.Stream > 0
+	}, time.Minute, 20*time.Millisecond, "the workers' durable consumer did not take every event of the turns stream")
+}
