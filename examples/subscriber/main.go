@@ -17,6 +17,10 @@
 // seq is the stream sequence (what --from-seq takes); answers are the outbox ids the reply
 // answers ("-" when the worker did not say, as for a message inserted by hand).
 //
+// With --json it prints each outcome as one JSON object instead, for programs (the end-to-end
+// tests read it): the event's fields (wire.OutcomeEvent: message_id, conversation_id, role,
+// content in full, outbox_ids, ...) and "seq", the stream sequence.
+//
 // It is built on wire.OutcomeSubscriber, which holds the delivery rules; this file only wires
 // configuration, the connection and the printing.
 //
@@ -45,6 +49,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -99,6 +104,7 @@ func run(ctx context.Context) error {
 	fromSeq := flag.Uint64("from-seq", 0, "a new durable starts at this stream `sequence`")
 	maxContent := flag.Int("max-content", 80, "print at most this many characters of content")
 	remember := flag.Int("remember", wire.DefaultSubscriberDedupeWindow, "how many message ids to remember for skipping duplicates")
+	asJSON := flag.Bool("json", false, "print each outcome as one JSON object (the event's fields and seq), content in full")
 	flag.Parse()
 	if flag.NArg() > 0 {
 		return fmt.Errorf("unexpected argument %q", flag.Arg(0))
@@ -134,7 +140,7 @@ func run(ctx context.Context) error {
 	}
 	defer nc.Close()
 
-	p := &printer{out: os.Stdout, maxContent: *maxContent}
+	p := &printer{out: os.Stdout, maxContent: *maxContent, json: *asJSON}
 	sub, err := wire.NewOutcomeSubscriber(wire.OutcomeSubscriberConfig{
 		NATS:           nc,
 		Durable:        *durable,
@@ -158,12 +164,29 @@ func run(ctx context.Context) error {
 type printer struct {
 	out        io.Writer
 	maxContent int
+	json       bool // one JSON object per outcome instead of the text line
+}
+
+// jsonLine is what --json prints for an outcome: its event's fields and its stream sequence.
+type jsonLine struct {
+	Seq uint64 `json:"seq"`
+	wire.OutcomeEvent
 }
 
 // handle prints one outcome. An error (the output is gone) has it delivered again; returning
 // nil has it acked.
 func (p *printer) handle(_ context.Context, o wire.Outcome) error {
 	ev := o.Event
+	if p.json {
+		line, err := json.Marshal(jsonLine{Seq: o.StreamSeq, OutcomeEvent: ev})
+		if err != nil {
+			return fmt.Errorf("encode outcome: %w", err)
+		}
+		if _, err := p.out.Write(append(line, '\n')); err != nil {
+			return fmt.Errorf("print outcome: %w", err)
+		}
+		return nil
+	}
 	content := strconv.Quote(truncate(ev.Content, p.maxContent))
 	if ev.ContentOmitted { // too large for NATS: read it from the messages table by id
 		content = fmt.Sprintf("(omitted: %d bytes)", ev.ContentBytes)

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -380,4 +381,21 @@ func TestSubscriberFormatting(t *testing.T) {
 	require.Equal(t, `""`, word(""))
 	require.Equal(t, "1,2", joinIDs([]int64{1, 2}))
 	require.Equal(t, "-", joinIDs(nil))
+}
+
+// TestSubscriberJSON checks --json's line: one JSON object per outcome, the event's fields in
+// full (content not cut, ids exact whatever they hold) and the stream sequence.
+func TestSubscriberJSON(t *testing.T) {
+	t.Parallel()
+	var out bytes.Buffer
+	p := &printer{out: &out, maxContent: 3, json: true}
+	ev := wire.OutcomeEvent{MessageID: "baton:reply:1", ConversationID: "a.b *>\n日本", Role: "assistant",
+		Content: "echo: a long reply", ContentBytes: 18, OutboxIDs: []int64{4, 5}}
+	require.NoError(t, p.handle(t.Context(), wire.Outcome{Event: ev, StreamSeq: 7}))
+	line := out.String()
+	require.True(t, strings.HasSuffix(line, "\n"))
+	require.Equal(t, 1, strings.Count(line, "\n"), "one line per outcome")
+	var got jsonLine
+	require.NoError(t, json.Unmarshal([]byte(line), &got))
+	require.Equal(t, jsonLine{Seq: 7, OutcomeEvent: ev}, got)
 }

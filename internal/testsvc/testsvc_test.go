@@ -3,6 +3,8 @@ package testsvc
 import (
 	"context"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -104,4 +106,20 @@ func TestNATSRestartKeepsStream(t *testing.T) {
 	info, err := s.Info(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, info.State.Msgs)
+}
+
+func TestBinariesBuildsEachOnce(t *testing.T) {
+	t.Parallel()
+	pkgs := []string{"github.com/batonhq/baton/cmd/baton", "github.com/batonhq/baton/examples/subscriber"}
+	bins := Binaries(t, pkgs...)
+	require.Len(t, bins, 2)
+	out, err := exec.CommandContext(t.Context(), bins[0], "version").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	require.Equal(t, "subscriber", filepath.Base(bins[1]))
+	info, err := os.Stat(bins[1])
+	require.NoError(t, err)
+	require.NotZero(t, info.Mode()&0o100, "executable")
+	// Built once: Binary and Binaries hand out the same programs afterwards.
+	require.Equal(t, bins[0], Binary(t, pkgs[0]))
+	require.Equal(t, []string{bins[1], bins[0]}, Binaries(t, pkgs[1], pkgs[0]))
 }

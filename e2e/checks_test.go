@@ -1,0 +1,164 @@
+package e2e
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/require"
+)
+
+// TestChaosChecksCatchDefects runs the system without faults, checks it passes the chaos run's
+// checks, then plants one defect at a time (in Postgres, in what the subscriber printed, in
+// the streams, in a process) and requires the checks to report it: a check that cannot fail
+// would let a chaos run pass whatever Baton did.
+func TestChaosChecksCatchDefects(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
+	defer cancel()
+	s := startSystem(t, ctx)
+	baseline := s.idleGoroutines(ctx)
+	l := s.startLoad(ctx)
+	require.Eventually(t, func() bool {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return len(l.accepted) >= 300
+	}, time.Minute, 50*time.Millisecond)
+	sent := l.finish()
+	require.Empty(t, l.failures)
+
+	c := newChecker(t, ctx, s)
+	c.all(sent, baseline, time.Minute)
+	require.Empty(t, c.failures, "the system without faults passes")
+	require.Equal(t, len(sent), c.replies)
+	lines := s.outcomes.snapshot()
+
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		_, err := s.pool.Exec(ctx, sql, args...)
+		require.NoError(t, err, sql)
+	}
+	// The planted defects go to a request whose runs recorded no write operation (a visible
+	// error there is never justified by one).
+	var firstOutbox int64
+	var firstID, firstReply string
+	require.NoError(t, s.pool.QueryRow(ctx, `SELECT o.id, o.message_id, o.reply_id FROM agent_outbox o
+		WHERE NOT EXISTS (SELECT 1 FROM agent_runs r JOIN operations op ON op.run_id = r.run_id AND op.effect = 'write'
+			WHERE o.id = ANY (r.outbox_ids))
+		ORDER BY o.id LIMIT 1`).Scan(&firstOutbox, &firstID, &firstReply))
+	first := sent[slices.IndexFunc(sent, func(a accepted) bool { return a.id == firstID })]
+	// A second conversation's two outcomes, for the order.
+	var twice string
+	for _, ln := range lines {
+		if n := countConv(lines, ln.ConversationID); n >= 2 {
+			twice = ln.ConversationID
+			break
+		}
+	}
+	require.NotEmpty(t, twice, "a conversation with two outcomes")
+
+	cases := []struct {
+		name, want string
+		plant      func() (undo func())
+		check      func(c *checker)
+	}{
+		{"a message without its reply", "lost: message", func() func() {
+			exec(`UPDATE agent_outbox SET reply_id = NULL WHERE id = $1`, firstOutbox)
+			return func() { exec(`UPDATE agent_outbox SET reply_id = $2 WHERE id = $1`, firstOutbox, firstReply) }
+		}, func(c *checker) { c.check(sent) }},
+		{"a second reply to a message", "doubled:", func() func() {
+			exec(`INSERT INTO messages (id, conversation_id, role, content) VALUES ('planted-double', $1, 'assistant', $2)`,
+				first.conversation, "echo: "+first.content)
+			return func() { exec(`DELETE FROM messages WHERE id = 'planted-double'`) }
+		}, func(c *checker) { c.check(sent) }},
+		{"a visible error with neither a write nor attempts used up", "a visible error after", func() func() {
+			exec(`INSERT INTO messages (id, conversation_id, role, content) VALUES ('planted-error', $1, 'error', 'failed')`, first.conversation)
+			exec(`UPDATE agent_outbox SET status = 'error', reply_id = 'planted-error' WHERE id = $1`, firstOutbox)
+			return func() {
+				exec(`UPDATE agent_outbox SET status = 'done', reply_id = $2 WHERE id = $1`, firstOutbox, firstReply)
+				exec(`DELETE FROM messages WHERE id = 'planted-error'`)
+			}
+		}, func(c *checker) { c.check(sent) }},
+		{"two write operations for one request", "write operations", func() func() {
+			exec(`INSERT INTO operations (run_id, conversation_id, tool, effect)
+				SELECT run_id, conversation_id, 'planted', 'write' FROM agent_runs, generate_series(1, 2)
+				WHERE $1 = ANY (outbox_ids)`, firstOutbox)
+			return func() { exec(`DELETE FROM operations WHERE tool = 'planted'`) }
+		}, func(c *checker) { c.check(sent) }},
+		{"two runs of a conversation at once", "overlap", func() func() {
+			exec(`INSERT INTO agent_runs (run_id, conversation_id, outbox_ids, worker, started_at)
+				SELECT gen_random_uuid(), conversation_id, '{}', 'planted', started_at FROM agent_runs WHERE $1 = ANY (outbox_ids)`, firstOutbox)
+			return func() { exec(`DELETE FROM agent_runs WHERE worker = 'planted'`) }
+		}, func(c *checker) { c.check(sent) }},
+		{"a row left processing", "not drained", func() func() {
+			exec(`UPDATE agent_outbox SET status = 'processing', run_id = gen_random_uuid(), lease_expires_at = now() + interval '1 hour'
+				WHERE id = $1`, firstOutbox)
+			return func() {
+				exec(`UPDATE agent_outbox SET status = 'done', lease_expires_at = NULL WHERE id = $1`, firstOutbox)
+			}
+		}, func(c *checker) { c.drain(len(sent), time.Second) }},
+		{"an outcome printed twice", "printed outcome", nil, func(c *checker) {
+			c.checkSubscriber(append(slices.Clone(lines), lines[0]))
+		}},
+		{"outcomes printed out of order", "out of commit order", nil, func(c *checker) {
+			swapped := slices.Clone(lines)
+			i := slices.IndexFunc(swapped, func(l subscriberLine) bool { return l.ConversationID == twice })
+			j := i + 1 + slices.IndexFunc(swapped[i+1:], func(l subscriberLine) bool { return l.ConversationID == twice })
+			swapped[i], swapped[j] = swapped[j], swapped[i]
+			c.checkSubscriber(swapped)
+		}},
+		{"a record in the dead-letter stream", "dead-letter", func() func() {
+			js, err := jetstream.New(s.nc)
+			require.NoError(t, err)
+			_, err = js.Publish(ctx, "agent.deadletter.turn", []byte("{}"))
+			require.NoError(t, err)
+			return func() {
+				st, err := js.Stream(ctx, "AGENT_DEADLETTER")
+				require.NoError(t, err)
+				require.NoError(t, st.Purge(ctx))
+			}
+		}, func(c *checker) { c.checkStreams() }},
+		{"a connection left open", "connections to NATS", func() func() {
+			nc, err := nats.Connect("nats://" + s.named["worker-0"].nats.Addr())
+			require.NoError(t, err)
+			return nc.Close
+		}, func(c *checker) { c.checkLeaks(baseline) }},
+		{"a process that exited on its own", "exited on its own", func() func() {
+			p := s.named["worker-1"]
+			exited, err := p.signal(syscall.SIGCONT, false) // a no-op signal, for the exit channel
+			require.NoError(t, err)
+			require.NoError(t, syscall.Kill(p.pid(), syscall.SIGKILL))
+			<-exited
+			return func() { p.start(t) }
+		}, func(c *checker) { c.checkCrashes() }},
+	}
+	for _, tc := range cases {
+		undo := func() {}
+		if tc.plant != nil {
+			undo = tc.plant()
+		}
+		c := newChecker(t, ctx, s)
+		c.wait = 2 * time.Second
+		c.check(sent) // fills c.nonUser, which the subscriber's check reads
+		c.failures = nil
+		tc.check(c)
+		undo()
+		require.True(t, slices.ContainsFunc(c.failures, func(f string) bool { return strings.Contains(f, tc.want) }),
+			"%s: want a failure with %q, got %q", tc.name, tc.want, c.failures)
+	}
+}
+
+// countConv counts the lines of conversation conv.
+func countConv(lines []subscriberLine, conv string) int {
+	n := 0
+	for _, l := range lines {
+		if l.ConversationID == conv {
+			n++
+		}
+	}
+	return n
+}

@@ -1,0 +1,57 @@
+// Package e2e holds Baton's whole-system tests: every part runs as a real process, and faults
+// are injected from outside, as they happen in production.
+//
+// # The chaos run
+//
+//	go test ./e2e -run Chaos -v                       # about 3 minutes
+//	go test ./e2e -run Chaos -v -chaos.duration=10m   # longer
+//	go test ./e2e -run Chaos -v -chaos.seed=1234      # replay a run's fault schedule
+//
+// TestChaos starts a throwaway PostgreSQL and a NATS server with JetStream, two `baton relay`
+// processes (one streams, the other stands by on the slot's advisory lock), three
+// examples/echoagent workers (100ms model latency, the read tool; the third also calls the write
+// tool; a 3s lease) and examples/subscriber --json. Each process reaches Postgres and NATS
+// through TCP proxies of its own (internal/testsvc.Proxy), so network faults hit one process
+// at a time. Producers in the test send about 40 messages a second over 139 conversations,
+// some with ids that NATS subjects, headers or logs could mistake for something else
+// (wildcards, dots, spaces, control characters, non-ASCII, 200 bytes), and retry every
+// failed send with the same message id until it is accepted.
+//
+// Meanwhile faults follow each other at random moments: SIGKILL and restart of a relay (the
+// streaming one mostly) or a worker, SIGTERM (which must exit 0) and restart,
+// SIGSTOP/SIGCONT, NATS stopped and started on the same store, Postgres fast and immediate
+// shutdown and start, termination of the slot's walsender, and on one process's path to
+// Postgres or NATS: added latency, reset connections, or a freeze (the path holds every byte
+// without closing: a half-open peer). Beside them, overlapping, a background schedule slows
+// one path at a time for 5-20s or resets its connections. The schedules are drawn up front
+// from the seed (-chaos.seed; a random one, printed, when zero) and logged as they run, so a
+// seed replays the same faults at the same offsets; a failing run prints its seed.
+// -chaos.duration (default 2m20s) is how long the load and the faults last; setup, drain and
+// checks add about a minute.
+//
+// Then the faults stop, every fault is healed, and the run drains (2 minutes at most) and
+// checks:
+//   - every accepted message has exactly one reply or exactly one visible error, and a reply
+//     echoes it; visible errors only where a write operation was recorded for the request or
+//     its attempts ran out;
+//   - no write operation recorded twice for one request, no message echoed by two replies,
+//     no reply or error message that answers nothing;
+//   - no row pending or processing, no two overlapping runs in a conversation;
+//   - the subscriber printed each outcome once (after its dedupe) and each conversation's in
+//     commit order;
+//   - the slot's confirmed LSN caught up with the WAL, every turn event was acked, the
+//     dead-letter stream is empty;
+//   - no goroutine or connection leak in the processes (goroutines from /metrics against the
+//     idle count before the load; connections counted at each process's proxies), and no
+//     process exited unless the test stopped it.
+//
+// It ends with one line of figures (shown with -v or on failure):
+//
+//	chaos: messages=4700 faults=freeze:3,kill:4,... replies=4650 visible_errors=50 lost=0 doubled=0 seed=1234
+//
+// TestChaosChecksCatchDefects runs the same system briefly without faults, then plants one
+// defect at a time (a lost reply, a second reply, an unjustified visible error, a doubled
+// write, overlapping runs, a row left processing, an outcome printed twice or out of order,
+// a dead-letter record, a leaked connection, a process that died) and requires the checks to
+// report each: a check that cannot fail would let a chaos run pass whatever Baton did.
+package e2e

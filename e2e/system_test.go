@@ -1,0 +1,260 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+
+	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/migrations"
+)
+
+// The workers' settings: a short lease, recovery interval and ack wait, so that the turns of
+// a killed or stopped worker are taken over within the run; attempts a little above the
+// default, since every fault may cost a turn one.
+const (
+	workerLease       = 3 * time.Second
+	workerMaxAttempts = 5
+	workerPoolMax     = 6
+	// The pool of a relay holds its lock session and its queries; its replication connection
+	// comes on top.
+	relayConnsMax = 6
+)
+
+// system is the whole of Baton under test: its servers, and its programs as processes, each
+// talking to Postgres and NATS through proxies of its own.
+type system struct {
+	t     *testing.T
+	pg    *testsvc.Postgres
+	nats  *testsvc.NATS
+	pool  *pgxpool.Pool // the test's own connections, straight to Postgres
+	nc    *nats.Conn    // the test's own connection, straight to NATS
+	procs []*proc
+	named map[string]*proc
+
+	pgDown, natsDown bool // the servers' state, kept by the fault runner
+
+	outcomes outcomeLog
+}
+
+// outcomeLog is what the subscriber printed, in order.
+type outcomeLog struct {
+	mu    sync.Mutex
+	lines []subscriberLine
+	bad   []string // lines that did not parse
+}
+
+// subscriberLine is one line of `subscriber --json`.
+type subscriberLine struct {
+	Seq            uint64  `json:"seq"`
+	MessageID      string  `json:"message_id"`
+	ConversationID string  `json:"conversation_id"`
+	Role           string  `json:"role"`
+	OutboxIDs      []int64 `json:"outbox_ids"`
+}
+
+func (l *outcomeLog) add(line string) {
+	var s subscriberLine
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := json.Unmarshal([]byte(line), &s); err != nil || s.MessageID == "" {
+		l.bad = append(l.bad, line)
+		return
+	}
+	l.lines = append(l.lines, s)
+}
+
+func (l *outcomeLog) snapshot() []subscriberLine {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]subscriberLine(nil), l.lines...)
+}
+
+// startSystem starts Postgres (a cluster of the test's own: the run restarts it), NATS, two
+// relays (one streams, one stands by), three workers (the third with the write tool) and the
+// subscriber, and waits until a relay streams.
+func startSystem(t *testing.T, ctx context.Context) *system {
+	t.Helper()
+	began := time.Now()
+	pg, err := testsvc.StartPostgres(ctx)
+	if err != nil {
+		t.Fatalf("start postgres: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := pg.Close(); err != nil {
+			t.Errorf("stop postgres: %v", err)
+		}
+	})
+	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
+	if err != nil {
+		t.Fatalf("connect: %v", err)
+	}
+	if _, err := migrations.Up(ctx, conn); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	_ = conn.Close(ctx)
+	pcfg, err := pgxpool.ParseConfig(pg.URL("postgres"))
+	if err != nil {
+		t.Fatalf("pool config: %v", err)
+	}
+	pcfg.MaxConns = 12
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		t.Fatalf("pool: %v", err)
+	}
+	t.Cleanup(pool.Close)
+
+	n := testsvc.StartNATS(t)
+	if n.External() {
+		t.Fatalf("the chaos run stops and starts NATS: unset %s", testsvc.EnvNATSURL)
+	}
+	nc, err := nats.Connect(n.URL(), nats.Name("chaos-test"), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	if err != nil {
+		t.Fatalf("connect to nats: %v", err)
+	}
+	t.Cleanup(nc.Close)
+
+	s := &system{t: t, pg: pg, nats: n, pool: pool, nc: nc, named: map[string]*proc{}}
+	bins := testsvc.Binaries(t, "github.com/batonhq/baton/cmd/baton", "github.com/batonhq/baton/examples/echoagent",
+		"github.com/batonhq/baton/examples/subscriber")
+	baton, echoagent, subscriber := bins[0], bins[1], bins[2]
+	t.Logf("postgres up and migrated, programs built: %v", time.Since(began).Round(time.Millisecond))
+
+	natsTarget := fmt.Sprintf("127.0.0.1:%d", n.Port)
+	pgTarget := fmt.Sprintf("127.0.0.1:%d", pg.Port)
+	add := func(name, kind, bin string, args []string, withPG bool) *proc {
+		pool := ""
+		if kind == "worker" { // the relay connects without a pool; Postgres refuses the setting
+			pool = fmt.Sprintf("&pool_max_conns=%d", workerPoolMax)
+		}
+		p := &proc{name: name, kind: kind, bin: bin, args: args, log: newTail(256 << 10)}
+		p.nats = testsvc.StartProxy(t, natsTarget)
+		p.env = []string{"BATON_NATS_URL=nats://" + p.nats.Addr(), "BATON_LOG_LEVEL=info"}
+		if withPG {
+			p.pg = testsvc.StartProxy(t, pgTarget)
+			p.metricsAddr = freeAddr(t)
+			p.env = append(p.env,
+				fmt.Sprintf("BATON_DATABASE_URL=postgres://postgres@%s/postgres?sslmode=disable&application_name=%s%s",
+					p.pg.Addr(), name, pool),
+				"BATON_METRICS_ADDR="+p.metricsAddr)
+		}
+		s.procs = append(s.procs, p)
+		s.named[name] = p
+		t.Cleanup(func() {
+			if p.running() {
+				_ = p.kill()
+			}
+		})
+		return p
+	}
+	for i := range 2 {
+		r := add(fmt.Sprintf("relay-%d", i), "relay", baton, []string{"relay"}, true)
+		r.env = append(r.env, "BATON_FATAL_LINGER=0")
+	}
+	for i := range 3 {
+		args := []string{"--source", "jetstream", "--model-latency", "100ms",
+			"--lease", workerLease.String(), "--recovery-interval", "1s", "--ack-wait", "5s",
+			"--shutdown-grace", "3s", "--max-attempts", fmt.Sprint(workerMaxAttempts)}
+		if i == 2 {
+			args = append(args, "--write-tool")
+		}
+		add(fmt.Sprintf("worker-%d", i), "worker", echoagent, args, true)
+	}
+	sub := add("subscriber", "subscriber", subscriber, []string{"--json", "--durable", "chaos"}, false)
+	sub.stdoutLine = s.outcomes.add
+
+	// The relays first: they create the streams the others use.
+	s.named["relay-0"].start(t)
+	s.named["relay-1"].start(t)
+	s.awaitActiveRelay(ctx, time.Minute)
+	for _, p := range s.procs {
+		if p.kind != "relay" {
+			p.start(t)
+		}
+	}
+	return s
+}
+
+// activeRelay returns the relay that streams now (its baton_relay_active is 1), or nil.
+func (s *system) activeRelay(ctx context.Context) *proc {
+	for _, name := range []string{"relay-0", "relay-1"} {
+		p := s.named[name]
+		if p.isStopped() || !p.running() {
+			continue
+		}
+		if v, err := p.metric(ctx, "baton_relay_active"); err == nil && v == 1 {
+			return p
+		}
+	}
+	return nil
+}
+
+// awaitActiveRelay waits until a relay streams.
+func (s *system) awaitActiveRelay(ctx context.Context, within time.Duration) *proc {
+	s.t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		if p := s.activeRelay(ctx); p != nil {
+			return p
+		}
+		if time.Now().After(deadline) {
+			s.t.Fatalf("no relay streams after %v\n%s", within, s.logs(20))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// heal undoes whatever a fault may have left: proxies forward at full speed, the servers run,
+// no process is stopped, and a process that exited on its own is started again (its exit is
+// recorded as a crash).
+func (s *system) heal(ctx context.Context) {
+	t := s.t
+	for _, p := range s.procs {
+		for _, px := range []*testsvc.Proxy{p.pg, p.nats} {
+			if px != nil {
+				px.Unfreeze()
+				px.SetLatency(0)
+			}
+		}
+	}
+	if s.natsDown {
+		if err := s.nats.Start(); err != nil {
+			t.Fatalf("start nats: %v", err)
+		}
+		s.natsDown = false
+	}
+	if s.pgDown {
+		if err := s.pg.Start(ctx); err != nil {
+			t.Fatalf("start postgres: %v", err)
+		}
+		s.pgDown = false
+	}
+	for _, p := range s.procs {
+		if p.isStopped() {
+			if _, err := p.signal(syscall.SIGCONT, false); err != nil {
+				t.Errorf("%v", err)
+			}
+		}
+		if !p.running() {
+			p.start(t)
+		}
+	}
+}
+
+// logs returns the last n lines of every process's log.
+func (s *system) logs(n int) string {
+	var b strings.Builder
+	for _, p := range s.procs {
+		fmt.Fprintf(&b, "=== %s (pid %d, %d starts), last %d lines:\n%s\n", p.name, p.pid(), p.starts, n, p.log.lines(n))
+	}
+	return b.String()
+}
