@@ -231,4 +231,3 @@ func newNKey(t testing.TB, create func() (nkeys.KeyPair, error)) (pub string, se
 	}
 	return pub, seed
 }
-
