@@ -34,7 +34,7 @@ type workerProcess struct {
 	paused chan pause
 	exited chan struct{}
 	err    error // cmd.Wait's result, set before exited is closed
-	log    syncBuffer
+	log    testsvc.Buffer
 }
 
 // startWorker starts an echoagent process on the bundle's database and NATS server. The test's
@@ -81,7 +81,7 @@ func (b *bundle) startWorker(args ...string) *workerProcess {
 			}
 		}
 		if t.Failed() {
-			t.Logf("worker %d %v log:\n%s", cmd.Process.Pid, args, p.log.tail(16<<10))
+			t.Logf("worker %d %v log:\n%s", cmd.Process.Pid, args, p.log.Tail(16<<10))
 		}
 	})
 	return p
@@ -140,28 +140,6 @@ func (w *lineWriter) Write(p []byte) (int, error) {
 		w.line(string(w.buf[:i]))
 		w.buf = w.buf[i+1:]
 	}
-}
-
-// syncBuffer collects a process's log for failure reports.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) tail(n int) string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := s.b.Bytes()
-	if len(out) > n {
-		out = out[len(out)-n:]
-	}
-	return string(out)
 }
 
 // waitEventsAcked waits until the workers' durable consumer holds nothing: every turn event

@@ -1,7 +1,6 @@
 package relay_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -9,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -20,24 +18,6 @@ import (
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/relay"
 )
-
-// syncBuffer is a bytes.Buffer that a relay's logger and the test may use at once.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.buf.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.buf.String()
-}
 
 // prependHBA puts lines at the top of pg's pg_hba.conf, where they win over the trust rules
 // initdb wrote, and reloads the configuration.
@@ -119,7 +99,7 @@ func TestConnectRefusalsAreSetupErrors(t *testing.T) {
 			[]string{"parse database url", "sslmode"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var log syncBuffer
+			var log testsvc.Buffer
 			cfg := b.cfg
 			cfg.DatabaseURL = tc.url
 			cfg.Logger = slog.New(slog.NewTextHandler(&log, nil))

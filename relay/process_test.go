@@ -219,7 +219,7 @@ func TestLostSlotIsLoudAndRecoverable(t *testing.T) {
 // fatalProcess is `baton relay` run to stop on an error no retry can fix, logging JSON.
 type fatalProcess struct {
 	cmd    *exec.Cmd
-	stderr syncBuffer
+	stderr testsvc.Buffer
 	exited chan struct{}
 }
 

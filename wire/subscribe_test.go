@@ -1,7 +1,6 @@
 package wire_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -33,7 +32,7 @@ type subBundle struct {
 	js     jetstream.JetStream
 	prefix string
 	stream string
-	logs   syncBuffer // what the subscribers log
+	logs   testsvc.Buffer // what the subscribers log
 }
 
 var prefixSeq atomic.Int64
@@ -219,24 +218,6 @@ func (b *subBundle) waitAcked(durable string, seq uint64) *jetstream.ConsumerInf
 		return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && info.AckFloor.Stream == seq
 	}, 30*time.Second, 10*time.Millisecond, "durable %s never acked up to %d", durable, seq)
 	return info
-}
-
-// syncBuffer is a bytes.Buffer safe for concurrent use.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // Rule: each outcome reaches the handler once. A copy stored under another Nats-Msg-Id (a

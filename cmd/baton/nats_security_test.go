@@ -28,23 +28,18 @@ const exitWithin = 20 * time.Second
 // child is a program of this module running as a process, killed when the test ends.
 type child struct {
 	name           string
-	stdout, stderr lockedBuffer
+	stdout, stderr testsvc.Buffer
 	exited         chan struct{}
 	state          *os.ProcessState // set before exited is closed
 }
 
 // startChild runs bin with args and, of this process's environment, only what is not BATON_*
-// plus env.
+// or PG* (testEnv) plus env.
 func startChild(t *testing.T, name, bin string, env []string, args ...string) *child {
 	t.Helper()
 	c := &child{name: name, exited: make(chan struct{})}
-	cmd := exec.Command(bin, args...)
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "BATON_") {
-			cmd.Env = append(cmd.Env, kv)
-		}
-	}
-	cmd.Env = append(cmd.Env, env...)
+	cmd := exec.Command(bin, args...) // stopped when the test ends, SIGTERM first
+	cmd.Env = append(testEnv(), env...)
 	cmd.Stdout, cmd.Stderr = &c.stdout, &c.stderr
 	require.NoError(t, cmd.Start())
 	go func() {
@@ -78,6 +73,28 @@ func (c *child) exitCode(t *testing.T) int {
 	case <-time.After(exitWithin):
 		t.Fatalf("%s still runs after %v (it retries a refused login?); stderr:\n%s", c.name, exitWithin, c.stderr.String())
 		return -1
+	}
+}
+
+// await waits until the process's stdout or stderr holds want, failing when the process
+// exits first or after a minute.
+func (c *child) await(t *testing.T, want string) {
+	t.Helper()
+	printed := func() bool { return strings.Contains(c.stdout.String()+c.stderr.String(), want) }
+	deadline := time.After(time.Minute)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for !printed() {
+		select {
+		case <-c.exited:
+			if printed() {
+				return
+			}
+			t.Fatalf("%s exited (%v) before printing %q:\n%s%s", c.name, c.state, want, c.stdout.String(), c.stderr.String())
+		case <-deadline:
+			t.Fatalf("%s did not print %q within a minute:\n%s%s", c.name, want, c.stdout.String(), c.stderr.String())
+		case <-tick.C:
+		}
 	}
 }
 

@@ -3,10 +3,7 @@ package main
 import (
 	"context"
 	"net/url"
-	"os/exec"
 	"strconv"
-	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -66,58 +63,6 @@ func verifyFullURL(u *url.URL, rootCert string) string {
 	return c.String()
 }
 
-// process is a program of this module running until the test stops it.
-type process struct {
-	name   string
-	cmd    *exec.Cmd
-	out    *lockedBuffer
-	exited chan struct{}
-}
-
-func startProcess(t *testing.T, name, bin string, env []string, args ...string) *process {
-	t.Helper()
-	cmd := exec.Command(bin, args...) // stopped by stop, SIGTERM first
-	cmd.Env = append(testEnv(), env...)
-	p := &process{name: name, cmd: cmd, out: &lockedBuffer{}, exited: make(chan struct{})}
-	cmd.Stdout, cmd.Stderr = p.out, p.out
-	require.NoError(t, cmd.Start())
-	go func() { _ = cmd.Wait(); close(p.exited) }()
-	t.Cleanup(p.stop)
-	return p
-}
-
-// await waits until the output holds want, failing when the process exits first or after
-// a minute.
-func (p *process) await(t *testing.T, want string) {
-	t.Helper()
-	deadline := time.After(time.Minute)
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for !strings.Contains(p.out.String(), want) {
-		select {
-		case <-p.exited:
-			if strings.Contains(p.out.String(), want) {
-				return
-			}
-			t.Fatalf("%s exited before printing %q:\n%s", p.name, want, p.out.String())
-		case <-deadline:
-			t.Fatalf("%s did not print %q within a minute:\n%s", p.name, want, p.out.String())
-		case <-tick.C:
-		}
-	}
-}
-
-// stop sends SIGTERM and waits for the exit (killing the process after 30s).
-func (p *process) stop() {
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.exited:
-	case <-time.After(30 * time.Second):
-		_ = p.cmd.Process.Kill()
-		<-p.exited
-	}
-}
-
 // sslOf returns, for the connections of role app, how many there are and how many of them
 // use TLS, among walsenders (replication) or client backends (the rest).
 func sslOf(t *testing.T, admin *pgx.Conn, backendType string) (total, withTLS int) {
@@ -165,7 +110,7 @@ func TestPostgresTLSVerifyFull(t *testing.T) {
 		require.Contains(t, out, "schema at version", "%s:\n%s", dsn, out)
 	}
 
-	relayProc := startProcess(t, "relay", baton, env, "relay")
+	relayProc := startChild(t, "relay", baton, env, "relay")
 	relayProc.await(t, "msg=streaming")
 
 	nc, err := nats.Connect(ns.URL())
@@ -199,13 +144,13 @@ func TestPostgresTLSVerifyFull(t *testing.T) {
 	require.Equal(t, total, withTLS, "every normal connection of app uses TLS")
 
 	// A worker answers the message, over TLS, fed by the relay through JetStream.
-	worker := startProcess(t, "echoagent", echoagent, env)
+	worker := startChild(t, "echoagent", echoagent, env)
 	worker.await(t, "echoagent started")
 	require.Eventually(t, func() bool {
 		var n int
 		err := pool.QueryRow(ctx, `SELECT count(*) FROM messages WHERE conversation_id = 'tls-conv' AND role = 'assistant'`).Scan(&n)
 		return err == nil && n == 1
-	}, time.Minute, 20*time.Millisecond, "the worker answered\n%s", worker.out.String())
+	}, time.Minute, 20*time.Millisecond, "the worker answered\n%s", worker.stderr.String())
 
 	out = runProgram(t, program{name: "status", bin: baton, args: []string{"status", "--json"}, env: env})
 	require.Contains(t, out, `"database": "appdb"`, out)

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -148,7 +147,7 @@ func runProgram(t *testing.T, p program) string {
 	t.Helper()
 	cmd := exec.Command(p.bin, p.args...) // stopped by signals below, SIGTERM first
 	cmd.Env = append(testEnv(), p.env...)
-	var out lockedBuffer
+	var out testsvc.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Start(); err != nil { // in a goroutine of the test: no FailNow
 		t.Errorf("%s: %v", p.name, err)
@@ -248,23 +247,6 @@ func testEnv() []string {
 		}
 	}
 	return env
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // Passwords and tokens in database and NATS URLs, in every form a URL may take (with and

@@ -11,7 +11,6 @@ import (
 	"os/exec"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -34,28 +33,10 @@ func subscriberBinary(t *testing.T) string {
 	return testsvc.Binary(t, "github.com/batonhq/baton/examples/subscriber")
 }
 
-// syncBuffer is a bytes.Buffer safe for the process's copier and the test.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // subscriberProcess is the subscriber running as a child process.
 type subscriberProcess struct {
 	cmd            *exec.Cmd
-	stdout, stderr syncBuffer
+	stdout, stderr testsvc.Buffer
 	exited         chan struct{}
 	err            error // Wait's result, set before exited is closed
 }
