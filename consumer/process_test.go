@@ -1,7 +1,6 @@
 package consumer_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -50,7 +49,7 @@ func (b *bundle) startWorker(args ...string) *workerProcess {
 		"BATON_LOG_LEVEL=debug",
 	)
 	p := &workerProcess{cmd: cmd, paused: make(chan pause, 16), exited: make(chan struct{})}
-	cmd.Stdout = &lineWriter{line: func(line string) {
+	cmd.Stdout = &testsvc.LineWriter{Line: func(line string) {
 		f := strings.Fields(line)
 		if len(f) == 4 && f[0] == "PAUSED" {
 			select {
@@ -122,24 +121,6 @@ func (p *workerProcess) waitPaused(t *testing.T, within time.Duration) pause {
 		t.Fatalf("worker did not pause within %v", within)
 	}
 	return pause{}
-}
-
-// lineWriter calls line for every complete line written to it.
-type lineWriter struct {
-	buf  []byte
-	line func(string)
-}
-
-func (w *lineWriter) Write(p []byte) (int, error) {
-	w.buf = append(w.buf, p...)
-	for {
-		i := bytes.IndexByte(w.buf, '\n')
-		if i < 0 {
-			return len(p), nil
-		}
-		w.line(string(w.buf[:i]))
-		w.buf = w.buf[i+1:]
-	}
 }
 
 // waitEventsAcked waits until the workers' durable consumer holds nothing: every turn event

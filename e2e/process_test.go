@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"os"
@@ -59,7 +58,7 @@ func (p *proc) start(t *testing.T) {
 	p.log.note("start #%d", p.starts+1)
 	cmd.Stderr = p.log
 	if p.stdoutLine != nil {
-		cmd.Stdout = &lineWriter{line: p.stdoutLine}
+		cmd.Stdout = &testsvc.LineWriter{Line: p.stdoutLine}
 	}
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("%s: start: %v", p.name, err)
@@ -259,24 +258,4 @@ func (w *tail) lines(n int) string {
 // note writes a line of the test's own into the log, marked as such.
 func (w *tail) note(format string, args ...any) {
 	_, _ = w.Write([]byte("--- chaos: " + fmt.Sprintf(format, args...) + "\n"))
-}
-
-// lineWriter calls line for every complete line written to it.
-type lineWriter struct {
-	buf  []byte
-	line func(string)
-}
-
-var _ io.Writer = (*lineWriter)(nil)
-
-func (w *lineWriter) Write(p []byte) (int, error) {
-	w.buf = append(w.buf, p...)
-	for {
-		i := bytes.IndexByte(w.buf, '\n')
-		if i < 0 {
-			return len(p), nil
-		}
-		w.line(string(w.buf[:i]))
-		w.buf = w.buf[i+1:]
-	}
 }

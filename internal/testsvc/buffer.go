@@ -36,3 +36,24 @@ func (b *Buffer) Tail(n int) string {
 	}
 	return string(out)
 }
+
+// LineWriter calls Line with every complete line written to it, without its newline: a
+// process's stdout read line by line as it writes. It is not safe for concurrent writers,
+// which an exec.Cmd's copier never is.
+type LineWriter struct {
+	Line func(string)
+	buf  []byte
+}
+
+// Write buffers p and calls Line for each line it completes.
+func (w *LineWriter) Write(p []byte) (int, error) {
+	w.buf = append(w.buf, p...)
+	for {
+		i := bytes.IndexByte(w.buf, '\n')
+		if i < 0 {
+			return len(p), nil
+		}
+		w.Line(string(w.buf[:i]))
+		w.buf = w.buf[i+1:]
+	}
+}
