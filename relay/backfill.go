@@ -58,6 +58,34 @@ func backfillItem(prefix, table string, maxPayload int, id int64, row *outboxTex
 	}
 }
 
+// createSlotCommand is the replication command that creates slot, a logical slot of pgoutput
+// exporting its snapshot (for the backfill). On PostgreSQL 17 and newer the slot is also a
+// failover slot: standbys with sync_replication_slots = on keep a copy of it in step, so a
+// promoted standby still has it (the primary's synchronized_standby_slots makes sure no standby
+// it names lags the slot). Older servers have no failover slots: a failover loses the slot, and
+// the relay's next start creates it again and backfills from the outbox rows (ErrSlotLost).
+// slot is a validated slot name (lowercase letters, digits and _), written as it is.
+func createSlotCommand(slot string, serverMajor int) string {
+	if serverMajor >= 17 {
+		return "CREATE_REPLICATION_SLOT " + slot + " LOGICAL pgoutput (SNAPSHOT 'export', FAILOVER true)"
+	}
+	return "CREATE_REPLICATION_SLOT " + slot + " LOGICAL pgoutput EXPORT_SNAPSHOT"
+}
+
+// serverMajor returns the major version in a server_version parameter ("15.19 (Debian …)",
+// "17beta1"), or 0 when it does not start with one.
+func serverMajor(version string) int {
+	end := 0
+	for end < len(version) && version[end] >= '0' && version[end] <= '9' {
+		end++
+	}
+	major, err := strconv.Atoi(version[:end])
+	if err != nil {
+		return 0
+	}
+	return major
+}
+
 // createAndBackfill creates the slot and publishes, from the snapshot the slot exported, every
 // outbox row that is pending or processing: the backlog of a team that polled before Baton.
 // Streaming then starts at the slot's consistent point, so each row is published once: rows
@@ -75,11 +103,9 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 		return fmt.Errorf("record slot %s: %w", cfg.Slot, err)
 	}
 	var created pglogrepl.CreateReplicationSlotResult
+	command := createSlotCommand(cfg.Slot, serverMajor(repl.ParameterStatus("server_version")))
 	if err := within(ctx, cfg.FirstStartTimeout, func(ctx context.Context) (err error) {
-		created, err = pglogrepl.CreateReplicationSlot(ctx, repl, cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
-			Mode:           pglogrepl.LogicalReplication,
-			SnapshotAction: "EXPORT_SNAPSHOT",
-		})
+		created, err = pglogrepl.ParseCreateReplicationSlot(repl.Exec(ctx, command))
 		return err
 	}); err != nil {
 		return fmt.Errorf("create slot %s (it waits for every transaction running now to end; FirstStartTimeout %s): %w",

@@ -89,3 +89,23 @@ func TestDeadLetterBackfillMsgIDs(t *testing.T) {
 		require.NotEqual(t, wire.DeadLetterMsgID(pglogrepl.LSN(0).String()), s)
 	}
 }
+
+// The slot is a failover slot where the server has them (PostgreSQL 17 and newer), so that a
+// promoted standby keeps it; older servers get the command they understand.
+func TestCreateSlotCommand(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		version string
+		want    string
+	}{
+		{"15.19 (Debian 15.19-0+deb12u1)", "CREATE_REPLICATION_SLOT baton LOGICAL pgoutput EXPORT_SNAPSHOT"},
+		{"16.4", "CREATE_REPLICATION_SLOT baton LOGICAL pgoutput EXPORT_SNAPSHOT"},
+		{"17.2", "CREATE_REPLICATION_SLOT baton LOGICAL pgoutput (SNAPSHOT 'export', FAILOVER true)"},
+		{"17beta1", "CREATE_REPLICATION_SLOT baton LOGICAL pgoutput (SNAPSHOT 'export', FAILOVER true)"},
+		{"18.0", "CREATE_REPLICATION_SLOT baton LOGICAL pgoutput (SNAPSHOT 'export', FAILOVER true)"},
+		{"", "CREATE_REPLICATION_SLOT baton LOGICAL pgoutput EXPORT_SNAPSHOT"},
+		{"devel", "CREATE_REPLICATION_SLOT baton LOGICAL pgoutput EXPORT_SNAPSHOT"},
+	} {
+		require.Equal(t, tc.want, createSlotCommand("baton", serverMajor(tc.version)), "server_version %q", tc.version)
+	}
+}
