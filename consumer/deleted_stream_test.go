@@ -29,13 +29,7 @@ func TestTurnEventsResumeAfterStreamDeleted(t *testing.T) {
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	n := 0
-	answered := func() {
-		t.Helper()
-		n++
-		b.send("c", fmt.Sprintf("m%d", n), "hi")
-		b.waitTerminal(30 * time.Second)
-	}
+	answered, n := b.answerer("c")
 	answered()
 
 	require.NoError(t, js.DeleteStream(ctx, "AGENT_TURNS"))
@@ -45,7 +39,7 @@ func TestTurnEventsResumeAfterStreamDeleted(t *testing.T) {
 
 	require.NoError(t, js.DeleteConsumer(ctx, "AGENT_TURNS", consumer.DefaultDurable))
 	answered()
-	require.Equal(t, []int{n}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_outbox WHERE status = 'done'`))
+	require.Equal(t, []int{*n}, testsvc.Query[int](t, b.db, `SELECT count(*)::int FROM agent_outbox WHERE status = 'done'`))
 }
 
 // TestTurnEventsResumeWhenDeletionWentUnseen deletes the turns stream while the worker's
@@ -66,13 +60,7 @@ func TestTurnEventsResumeWhenDeletionWentUnseen(t *testing.T) {
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	n := 0
-	answered := func() {
-		t.Helper()
-		n++
-		b.send("c", fmt.Sprintf("m%d", n), "hi")
-		b.waitTerminal(30 * time.Second)
-	}
+	answered, _ := b.answerer("c")
 	answered()
 
 	proxy.Freeze() // the notice of the deletion is held back, then dropped with the connection
@@ -81,4 +69,16 @@ func TestTurnEventsResumeWhenDeletionWentUnseen(t *testing.T) {
 	proxy.Unfreeze()
 	answered()
 	answered()
+}
+
+// answerer returns a function that sends conversation conv its next message (m1, m2, …) and
+// waits until every row is answered, and the count of messages it sent.
+func (b *bundle) answerer(conv string) (answered func(), n *int) {
+	n = new(int)
+	return func() {
+		b.t.Helper()
+		*n++
+		b.send(conv, fmt.Sprintf("m%d", *n), "hi")
+		b.waitTerminal(30 * time.Second)
+	}, n
 }

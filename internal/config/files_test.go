@@ -55,18 +55,7 @@ func TestURLFileErrors(t *testing.T) {
 		{"missing", map[string]string{EnvDatabaseURLFile: missing}, []string{EnvDatabaseURLFile, missing, "no such file"}},
 		{"a directory", map[string]string{EnvNATSURLFile: filepath.Dir(missing)}, []string{EnvNATSURLFile, filepath.Dir(missing)}},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			clearEnv(t)
-			for k, v := range tc.env {
-				t.Setenv(k, v)
-			}
-			_, err := Load()
-			require.Error(t, err)
-			for _, w := range tc.want {
-				require.ErrorContains(t, err, w)
-			}
-			require.NotContains(t, err.Error(), "s3cret")
-		})
+		t.Run(tc.name, func(t *testing.T) { requireLoadRefused(t, tc.env, tc.want, "s3cret") })
 	}
 }
 
@@ -142,18 +131,7 @@ func TestNATSSecuritySettingsChecked(t *testing.T) {
 		{"key without cert", map[string]string{EnvNATSURL: "tls://n:4222", EnvNATSKey: junk}, []string{EnvNATSCert, EnvNATSKey, "go together"}},
 		{"no URL", map[string]string{EnvNATSCA: junk}, []string{"need " + EnvNATSURL}},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			clearEnv(t)
-			for k, v := range tc.env {
-				t.Setenv(k, v)
-			}
-			_, err := Load()
-			require.Error(t, err)
-			for _, w := range tc.want {
-				require.ErrorContains(t, err, w)
-			}
-			require.NotContains(t, err.Error(), "junk-contents")
-		})
+		t.Run(tc.name, func(t *testing.T) { requireLoadRefused(t, tc.env, tc.want, "junk-contents") })
 	}
 }
 
@@ -164,4 +142,20 @@ func TestNATSSettingsLogged(t *testing.T) {
 	s := c.String()
 	require.True(t, strings.Contains(s, "NATSCA:/ca.pem") && strings.Contains(s, "NATSCreds:/u.creds"), s)
 	require.NotContains(t, s, "nats-s3cret")
+}
+
+// requireLoadRefused sets env alone and requires Load to fail with an error holding every
+// string of want and never secret (a file's contents).
+func requireLoadRefused(t *testing.T, env map[string]string, want []string, secret string) {
+	t.Helper()
+	clearEnv(t)
+	for k, v := range env {
+		t.Setenv(k, v)
+	}
+	_, err := Load()
+	require.Error(t, err)
+	for _, w := range want {
+		require.ErrorContains(t, err, w)
+	}
+	require.NotContains(t, err.Error(), secret)
 }
