@@ -239,6 +239,22 @@ func pubAckOracle(data []byte) (a pubAck, ok bool) {
 	if json.Unmarshal(data, &top) != nil {
 		return a, false
 	}
+	// The map keeps only the last of duplicate keys; encoding/json decoding into a struct checks
+	// every occurrence ({"seq":1.0,"seq":1} is an error there and in parsePubAck).
+	var typed struct {
+		Stream    string
+		Seq       uint64
+		Duplicate bool
+		Domain    string
+		Error     *struct {
+			Code        int
+			ErrCode     uint16 `json:"err_code"`
+			Description string
+		}
+	}
+	if json.Unmarshal(data, &typed) != nil {
+		return a, false
+	}
 	field := func(m map[string]json.RawMessage, key string, dst any) bool {
 		raw, present := m[key]
 		return !present || json.Unmarshal(raw, dst) == nil
