@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -206,7 +207,7 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 func (r *Relay) backfillPage(ctx context.Context, tx pgx.Tx, after int64) ([]item, int64, error) {
 	rows, err := tx.Query(ctx, `SELECT id, conversation_id, message_id, status, attempts::text, created_at::text
 		FROM `+pgx.Identifier{r.cfg.Schema, tableOutbox}.Sanitize()+`
-		WHERE status IN ('pending', 'processing') AND id > $1 ORDER BY id LIMIT $2`,
+		WHERE status IN ('pending', 'processing') AND id > $1 AND `+r.shardCondition()+` ORDER BY id LIMIT $2`,
 		after, r.cfg.BackfillBatch)
 	if err != nil {
 		return nil, 0, err
@@ -229,6 +230,17 @@ func (r *Relay) backfillPage(ctx context.Context, tx pgx.Tx, after int64) ([]ite
 		last = id
 	}
 	return page, last, rows.Err()
+}
+
+// shardCondition is the backfill's condition on the shard: the predicate of the shard's
+// publication (migrations.ShardPredicate), so that a sharded relay's first start publishes
+// exactly the rows its stream would have, and every unfinished row is backfilled by the one
+// shard relay whose publication carries its conversation. TRUE when the relay is not sharded.
+func (r *Relay) shardCondition() string {
+	if r.cfg.Shards == 0 {
+		return "TRUE"
+	}
+	return "(" + migrations.ShardPredicate(r.cfg.Shards, r.cfg.Shard) + ")"
 }
 
 // quoteLiteral quotes s as an SQL string literal (SET TRANSACTION SNAPSHOT takes no parameters).

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/batonhq/baton/internal/pgname"
+	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -37,6 +38,17 @@ type Config struct {
 	Publication string
 	// Schema holds the Baton tables. Default "public".
 	Schema string
+	// Shards, when set, makes this relay one of Shards sharded relays (baton relay --shard
+	// Shard/Shards): it streams publication <Publication>_<Shard> from slot <Slot>_<Shard>,
+	// both named by migrations.ShardName, and its first-start backfill publishes only the rows
+	// of its shard's conversations (migrations.ShardPredicate). The publication must exist
+	// with that shard's row filter (baton migrate --shards N, migrations.EnsureShards): the
+	// relay checks it at every session's start and returns ErrSetup otherwise. 1…256 (the
+	// shard names must stay within 63 bytes); Shard is 0…Shards−1. Default 0: not sharded,
+	// Shard ignored.
+	Shards int
+	// Shard is this relay's shard, 0…Shards−1 (see Shards). Default 0.
+	Shard int
 
 	// TurnsStream and OutcomesStream name the JetStream streams. Defaults: the prefix in upper
 	// case with dots as underscores, plus "_TURNS" / "_OUTCOMES" ("AGENT_TURNS").
@@ -164,6 +176,12 @@ func (c *Config) fill() error {
 	def(&c.Schema, "public")
 	if err := wire.ValidatePrefix(c.SubjectPrefix); err != nil {
 		return fmt.Errorf("%w: subject prefix: %w", ErrConfig, err)
+	}
+	if c.Shards != 0 {
+		if err := migrations.CheckShard(c.Shard, c.Shards); err != nil {
+			return fmt.Errorf("%w: %w", ErrConfig, err)
+		}
+		c.Slot, c.Publication = migrations.ShardName(c.Slot, c.Shard), migrations.ShardName(c.Publication, c.Shard)
 	}
 	if err := pgname.Slot(c.Slot); err != nil {
 		return fmt.Errorf("%w: slot %w", ErrConfig, err)

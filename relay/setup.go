@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -98,6 +99,9 @@ func checkDatabase(ctx context.Context, conn *pgx.Conn, cfg *Config) error {
 	var insert bool
 	err = conn.QueryRow(ctx, `SELECT pubinsert FROM pg_publication WHERE pubname = $1`, cfg.Publication).Scan(&insert)
 	if errors.Is(err, pgx.ErrNoRows) {
+		if cfg.Shards != 0 {
+			return fmt.Errorf("%w: publication %q does not exist; run `baton migrate --shards %d`", ErrSetup, cfg.Publication, cfg.Shards)
+		}
 		return fmt.Errorf("%w: publication %q does not exist; run `baton migrate`", ErrSetup, cfg.Publication)
 	}
 	if err != nil {
@@ -118,6 +122,36 @@ func checkDatabase(ctx context.Context, conn *pgx.Conn, cfg *Config) error {
 	for _, want := range []string{tableOutbox, tableMessages} {
 		if !slices.Contains(tables, want) {
 			return fmt.Errorf("%w: publication %q does not cover %s.%s (it has %v)", ErrSetup, cfg.Publication, cfg.Schema, want, tables)
+		}
+	}
+	return checkShardFilters(ctx, conn, cfg)
+}
+
+// checkShardFilters verifies, for a sharded relay, that its publication filters each table by
+// its shard's predicate (migrations.ShardFilters): a publication made for another shard count
+// (migrated with another --shards N) or changed by hand would make this relay publish other
+// conversations than its backfill did, and leave some to no shard or to two. ErrSetup names
+// the filter found and how to fix it. Row filters exist from PostgreSQL 15.
+func checkShardFilters(ctx context.Context, conn *pgx.Conn, cfg *Config) error {
+	if cfg.Shards == 0 {
+		return nil
+	}
+	for table, want := range migrations.ShardFilters(cfg.Shards, cfg.Shard) {
+		var have string
+		err := conn.QueryRow(ctx, `SELECT coalesce(rowfilter, '') FROM pg_publication_tables
+			WHERE pubname = $1 AND schemaname = $2 AND tablename = $3`, cfg.Publication, cfg.Schema, table).Scan(&have)
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42703" { // undefined column: before PostgreSQL 15
+			return fmt.Errorf("%w: sharded relays need publication row filters, from PostgreSQL 15", ErrSetup)
+		}
+		if err != nil {
+			return fmt.Errorf("check shard publication: %w", err)
+		}
+		if !migrations.SameFilter(have, want) {
+			return fmt.Errorf("%w: publication %q filters %s.%s by %q, not by shard %d of %d (%s): it was made for another "+
+				"shard count or changed; run `baton migrate --shards %d` (see README, \"Resharding\") or start the relay with the "+
+				"--shard the publications were made for", ErrSetup, cfg.Publication, cfg.Schema, table, have, cfg.Shard, cfg.Shards,
+				want, cfg.Shards)
 		}
 	}
 	return nil

@@ -14,6 +14,7 @@ import (
 
 	"github.com/batonhq/baton/internal/config"
 	"github.com/batonhq/baton/internal/opsserver"
+	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/natsconn"
 	"github.com/batonhq/baton/relay"
 )
@@ -44,10 +45,18 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 	staleLock := fs.Duration("stale-lock-after", 10*time.Second, "as standby, take over once the active relay's session has sat idle holding the relay lock\n"+
 		"with nothing streaming from the slot for this long (its host vanished); takeover takes about\n"+
 		"wal_sender_timeout + this")
+	shard := fs.String("shard", "", "run as shard `K/N` of N sharded relays: stream publication <publication>_K (made by\n"+
+		"baton migrate --shards N) from slot <slot>_K; one active relay (plus standbys) per shard")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
 		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvSchema, config.EnvMetricsAddr, config.EnvPprofAddr, config.EnvFatalLinger)
 	if err != nil {
 		return err
+	}
+	var shardK, shardN int
+	if *shard != "" {
+		if shardK, shardN, err = migrations.ParseShard(*shard); err != nil {
+			return usageError{msg: "--shard: " + err.Error()}
+		}
 	}
 	if err := cfg.Require(config.EnvDatabaseURL, config.EnvNATSURL); err != nil {
 		return err
@@ -78,6 +87,8 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		Slot:             cfg.Slot,
 		Publication:      cfg.Publication,
 		Schema:           cfg.Schema,
+		Shards:           shardN,
+		Shard:            shardK,
 		Streams:          relay.StreamSettings{Duplicates: *dupWindow},
 		MaxInFlight:      *maxInFlight,
 		MaxInFlightBytes: *maxInFlightBytes,
