@@ -33,14 +33,21 @@ done, error}, oldest_pending_at, oldest_pending_age_seconds, oldest_processing_a
 oldest_processing_age_seconds, expired_leases, expired_lease_age_seconds}, streams {checked,
 note, url, turns and outcomes {name, exists, messages, bytes, first_seq, last_seq, last_time},
 consumer {name, stream, exists, num_pending, num_ack_pending, num_redelivered, num_waiting}},
-schema {version, binary_version}. Sizes are bytes, ages seconds; a section that could not be
-read has an "error" field.`, stderr)
+schema {version, binary_version}, shards (null without shard publications) {publication,
+count, missing, slots and stray: [slot objects as above]}. Sizes are bytes, ages seconds; a
+section that could not be read has an "error" field.
+
+Sharded relays (baton migrate --shards N): the shard publications <BATON_PUBLICATION>_K are
+found by name, and each shard's slot <BATON_SLOT>_K is shown and judged like the main slot
+(missing or lost: attention; inactive or retaining much WAL: warning); the main slot may then
+be missing. A missing shard publication needs attention; a slot <BATON_SLOT>_K of a shard
+past N is a warning (it holds WAL).`, stderr)
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	staleAfter := fs.Duration("stale-after", statusreport.DefaultStaleAfter, "a pending request older than this needs attention")
 	durable := fs.String("durable", statusreport.DefaultDurable, "the workers' durable consumer on the turns stream")
 	timeout := fs.Duration("timeout", 30*time.Second, "how long reading the report may take")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
-		config.EnvSubjectPrefix, config.EnvSlot, config.EnvSchema)
+		config.EnvSubjectPrefix, config.EnvSlot, config.EnvSchema, config.EnvPublication)
 	if err != nil {
 		return err
 	}
@@ -61,7 +68,7 @@ read has an "error" field.`, stderr)
 	defer func() { _ = conn.Close(context.WithoutCancel(ctx)) }()
 
 	opts := statusreport.Options{Slot: cfg.Slot, SubjectPrefix: cfg.SubjectPrefix, Durable: *durable, StaleAfter: *staleAfter,
-		Schema: cfg.Schema}
+		Schema: cfg.Schema, Publication: cfg.Publication}
 	rep := statusreport.Gather(ctx, conn, opts)
 	rep.Streams = gatherStreams(ctx, cfg, opts)
 	rep.Evaluate()

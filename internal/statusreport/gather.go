@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -37,6 +38,7 @@ func Gather(ctx context.Context, db DB, opts Options) *Report {
 	readSchema(ctx, db, opts.Schema, &r.Schema)
 	readSlot(ctx, db, &r.Slot)
 	readOutbox(ctx, db, &r.Outbox)
+	r.Shards = readShards(ctx, db, opts)
 	return r
 }
 
@@ -77,6 +79,68 @@ func readSlot(ctx context.Context, db DB, s *Slot) {
 		p := int(*pid)
 		s.ActivePID = &p
 	}
+}
+
+// shardPubsSQL lists the shard numbers K of the publications <publication>_<K>.
+const shardPubsSQL = `SELECT substr(pubname, length($1) + 2)::int FROM pg_publication
+	WHERE left(pubname, length($1) + 1) = $1 || '_' AND substr(pubname, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'`
+
+// shardSlotsSQL lists the shard numbers K of the slots <slot>_<K>.
+const shardSlotsSQL = `SELECT substr(slot_name, length($1) + 2)::int FROM pg_replication_slots
+	WHERE left(slot_name, length($1) + 1) = $1 || '_' AND substr(slot_name, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'`
+
+// readShards reads the shard publications and each shard's slot, or returns nil when there
+// is no shard publication.
+func readShards(ctx context.Context, db DB, opts Options) *Shards {
+	pubs, err := collectInts(ctx, db, shardPubsSQL, opts.Publication)
+	if err != nil {
+		return &Shards{Publication: opts.Publication, Error: fmt.Sprintf("read shard publications: %v", err)}
+	}
+	if len(pubs) == 0 {
+		return nil
+	}
+	sh := &Shards{Publication: opts.Publication, Missing: []string{}, Slots: []Slot{}, Stray: []Slot{}}
+	have := map[int]bool{}
+	for _, k := range pubs {
+		have[k] = true
+		sh.Count = max(sh.Count, k+1)
+	}
+	for k := range sh.Count {
+		if !have[k] {
+			sh.Missing = append(sh.Missing, migrations.ShardName(opts.Publication, k))
+		}
+		s := Slot{Name: migrations.ShardName(opts.Slot, k)}
+		readSlot(ctx, db, &s)
+		sh.Slots = append(sh.Slots, s)
+	}
+	slots, err := collectInts(ctx, db, shardSlotsSQL, opts.Slot)
+	if err != nil {
+		sh.Error = fmt.Sprintf("read shard slots: %v", err)
+		return sh
+	}
+	slices.Sort(slots)
+	for _, k := range slots {
+		if k >= sh.Count {
+			s := Slot{Name: migrations.ShardName(opts.Slot, k)}
+			readSlot(ctx, db, &s)
+			sh.Stray = append(sh.Stray, s)
+		}
+	}
+	return sh
+}
+
+// collectInts runs a query of one integer column.
+func collectInts(ctx context.Context, db DB, sql string, arg string) ([]int, error) {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	rows, err := tx.Query(ctx, sql, arg)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[int])
 }
 
 // outboxSQL counts rows by status in one scan, with the ages of the oldest pending row and of

@@ -36,6 +36,8 @@ func WriteText(w io.Writer, r *Report) error {
 	switch {
 	case s.Error != "":
 		p("  error\t%s", s.Error)
+	case !s.Exists && r.Shards != nil:
+		p("  exists\tno (sharded: the shard relays' slots are below)")
 	case !s.Exists:
 		p("  exists\tno")
 	default:
@@ -55,6 +57,8 @@ func WriteText(w io.Writer, r *Report) error {
 			p("  safe WAL size\t%s (before the slot is lost)", fmtBytes(*s.SafeWALSizeBytes))
 		}
 	}
+
+	writeShards(p, r.Shards)
 
 	o := r.Outbox
 	p("\nOutbox")
@@ -148,6 +152,45 @@ func WriteText(w io.Writer, r *Report) error {
 		return werr
 	}
 	return tw.Flush()
+}
+
+// writeShards writes the shards section: one line per shard slot. Nothing without shards.
+func writeShards(p func(string, ...any), sh *Shards) {
+	if sh == nil {
+		return
+	}
+	p("\nShards\t%d (publications %s_0 … %s_%d)", sh.Count, sh.Publication, sh.Publication, sh.Count-1)
+	if sh.Error != "" {
+		p("  error\t%s", sh.Error)
+	}
+	for _, name := range sh.Missing {
+		p("  missing publication\t%s", name)
+	}
+	p("  SHARD\tSLOT\tACTIVE\tWAL STATUS\tCONFIRMED LSN\tLAG\tRETAINED WAL")
+	line := func(shard string, s Slot) {
+		switch {
+		case s.Error != "":
+			p("  %s\t%s\terror: %s\t-\t-\t-\t-", shard, s.Name, s.Error)
+		case !s.Exists:
+			p("  %s\t%s\tdoes not exist\t-\t-\t-\t-", shard, s.Name)
+		default:
+			active := "no"
+			if s.Active {
+				active = "yes"
+				if s.ActivePID != nil {
+					active += " (pid " + strconv.Itoa(*s.ActivePID) + ")"
+				}
+			}
+			p("  %s\t%s\t%s\t%s\t%s\t%s\t%s", shard, s.Name, active, orDash(s.WALStatus), orDash(s.ConfirmedLSN),
+				fmtBytesPtr(s.LagBytes), fmtBytesPtr(s.RetainedWALBytes))
+		}
+	}
+	for k, s := range sh.Slots {
+		line(strconv.Itoa(k)+"/"+strconv.Itoa(sh.Count), s)
+	}
+	for _, s := range sh.Stray {
+		line("stray", s)
+	}
 }
 
 func orDash(s string) string {

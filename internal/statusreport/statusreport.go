@@ -21,6 +21,7 @@ import (
 // Defaults of Options.
 const (
 	DefaultSlot          = "baton"
+	DefaultPublication   = "baton"
 	DefaultSubjectPrefix = wire.DefaultSubjectPrefix
 	DefaultDurable       = "baton-workers"
 	DefaultStaleAfter    = 5 * time.Minute
@@ -41,6 +42,10 @@ type Options struct {
 	// Schema holds Baton's tables. The connection's search_path must find them there (as
 	// `baton status` sets it); the schema version is read from it. Default "public".
 	Schema string
+	// Publication is the relay's publication (BATON_PUBLICATION): publications
+	// <Publication>_<K> are the shards of `baton migrate --shards N`, whose relays stream from
+	// slots <Slot>_<K>. Default "baton".
+	Publication string
 }
 
 func (o *Options) fill() {
@@ -53,6 +58,7 @@ func (o *Options) fill() {
 	def(&o.SubjectPrefix, DefaultSubjectPrefix)
 	def(&o.Durable, DefaultDurable)
 	def(&o.Schema, "public")
+	def(&o.Publication, DefaultPublication)
 	if o.StaleAfter <= 0 {
 		o.StaleAfter = DefaultStaleAfter
 	}
@@ -77,6 +83,26 @@ type Report struct {
 	Outbox  Outbox  `json:"outbox"`
 	Streams Streams `json:"streams"`
 	Schema  Schema  `json:"schema"`
+	// Shards is the sharded relays' side; null when the database has no shard publications.
+	Shards *Shards `json:"shards"`
+}
+
+// Shards are the shard publications of `baton migrate --shards N` and the slots of their
+// relays (`baton relay --shard K/N`).
+type Shards struct {
+	// Publication is the base name; the shards are <publication>_0 … <publication>_<count−1>.
+	Publication string `json:"publication"`
+	// Count is N: one more than the highest shard publication's K.
+	Count int `json:"count"`
+	// Missing lists shard publications below Count that do not exist.
+	Missing []string `json:"missing"`
+	// Slots holds slot <slot>_K of each shard K < Count, in order.
+	Slots []Slot `json:"slots"`
+	// Stray holds slots <slot>_K with K ≥ Count: left by relays of an earlier, larger shard
+	// count; they hold WAL until dropped.
+	Stray []Slot `json:"stray"`
+	// Error is set when the shards could not be read.
+	Error string `json:"error,omitempty"`
 }
 
 // Slot is the relay's logical replication slot (pg_replication_slots).
