@@ -71,7 +71,9 @@ conversation: the relay and the plain relay), backfill (a relay's first start on
 rows) and latency (commit → stored in JetStream at each --rates, p50/p99/max after a 1 s
 warm-up, the relay and the plain relay). --rounds N repeats everything N times, interleaved,
 and reports each figure's median with each round's value: only same-run ratios over rounds
-mean much on a shared machine.
+mean much on a shared machine. --shards N (2…16) adds N shard relays at once to the
+catch-ups (baton relay --shard K/N, each a process, on the bench database's shard publications)
+and reports their aggregate rows/s next to one relay's in the same run.
 
 Without BATON_DATABASE_URL it starts a throwaway PostgreSQL cluster (the machine's server
 binaries), without BATON_NATS_URL an embedded NATS server; both are removed at the end. With
@@ -88,6 +90,7 @@ type benchRelayOptions struct {
 	plot         string
 	profile      string
 	binary       string
+	shards       int
 }
 
 func runBenchRelay(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -101,6 +104,7 @@ func runBenchRelay(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.BoolVar(&o.json, "json", false, "print the figures as JSON (fields: see the package doc of internal/bench)")
 	fs.StringVar(&o.plot, "plot", "", "write an SVG of the latency distributions to this `file`")
 	fs.StringVar(&o.profile, "profile", "", "write a CPU profile of the relay's catch-up to this `dir`ectory (relay-catchup.pprof)")
+	fs.IntVar(&o.shards, "shards", 0, "also run `N` shard relays at once in the catch-ups (2…16; 0: none)")
 	fs.StringVar(&o.binary, "baton-binary", "", "the baton `program` whose relay (and plain relay) is measured (default: this program)")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL)
 	if err != nil {
@@ -137,6 +141,7 @@ func runBenchRelay(ctx context.Context, args []string, stdout, stderr io.Writer)
 		LatencyDuration:   o.latency,
 		Parts:             parts,
 		ProfileDir:        o.profile,
+		Shards:            o.shards,
 		Progress:          stderr,
 		ProgressTTY:       isTerminal(stderr),
 		Logger:            log,

@@ -52,14 +52,14 @@ func (r *runner) run(ctx context.Context) error {
 		b := backlog{key: backlogKey(1, conversations), rowsPerTx: 1, convs: conversations,
 			profile: cfg.ProfileDir != "", backfill: cfg.has(PartBackfill)}
 		if cfg.has(PartCatchUp) {
-			b.contenders = append(append([]string(nil), catchUpReaders...), cPublish)
+			b.contenders = append(cfg.catchUpContenders(), cPublish)
 		}
 		if err := r.runBacklog(ctx, b); err != nil {
 			return err
 		}
 	}
 	if cfg.has(PartCatchUp) {
-		b := backlog{key: backlogKey(100, conversations), rowsPerTx: 100, convs: conversations, contenders: catchUpReaders}
+		b := backlog{key: backlogKey(100, conversations), rowsPerTx: 100, convs: conversations, contenders: cfg.catchUpContenders()}
 		if err := r.runBacklog(ctx, b); err != nil {
 			return err
 		}

@@ -86,6 +86,12 @@ func (r *runner) runBacklog(ctx context.Context, b backlog) error {
 		for _, c := range b.contenders {
 			slot, prefix := e.names()
 			slots[round][c] = slotFor{slot, prefix}
+			if n, ok := isShards(c); ok {
+				if err := e.prepareShardSlots(ctx, slot, prefix, n); err != nil {
+					return fmt.Errorf("%s: create the shard relays' slots: %w", b.key, err)
+				}
+				continue
+			}
 			switch c {
 			case cRelay:
 				if err := e.prepareRelaySlot(ctx, slot, prefix); err != nil {
@@ -164,6 +170,9 @@ func contenderLabel(c string) string {
 	if p, ok := decoders()[c]; ok {
 		return fmt.Sprintf("decode ceiling, bulk-reading client (%v pauses)", p)
 	}
+	if n, ok := isShards(c); ok {
+		return fmt.Sprintf("%d shard relays at once (baton relay --shard K/%d, processes)", n, n)
+	}
 	return c
 }
 
@@ -197,6 +206,9 @@ func (r *runner) runContender(ctx context.Context, b backlog, round int, c strin
 			r.rep.set(round, b.key+".decode_ceiling.rows_per_s", "decode ceiling (the highest)", "rows/s", ceiling)
 		}
 		return dropSlot(ctx, e.pool, s.slot)
+	}
+	if n, ok := isShards(c); ok {
+		return r.runShards(ctx, round, key, contenderLabel(c), n, s, end)
 	}
 	switch c {
 	case cPublish:
@@ -256,6 +268,9 @@ func (r *runner) catchUpRatios(b backlog, round int) {
 	}
 	relay := get(cRelay, "rows_per_s")
 	set("relay_vs_plain", "baton relay ÷ plain relay (rows/s)", ratio(relay, get(cPlain, "rows_per_s")))
+	if n := r.cfg.Shards; n > 1 {
+		set(cShards(n)+"_vs_relay", fmt.Sprintf("%d shard relays together ÷ one relay (rows/s)", n), ratio(get(cShards(n), "rows_per_s"), relay))
+	}
 	set("relay_vs_decode_ceiling", "baton relay ÷ decode ceiling (rows/s)", ratio(relay, get("decode_ceiling", "rows_per_s")))
 	if b.convs == conversations {
 		set("relay_vs_publish", "baton relay ÷ publish ceiling", ratio(relay, r.rep.get(round, backlogKey(1, conversations)+".publish.msgs_per_s")))

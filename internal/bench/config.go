@@ -94,6 +94,11 @@ type Config struct {
 	// Default: none.
 	Progress    io.Writer
 	ProgressTTY bool
+	// Shards, when 2 or more, adds a contender to the 1,000-conversation catch-ups: that many
+	// `baton relay --shard K/N` processes at once on the same backlog (the bench database gets
+	// the shard publications), reported as their aggregate rate next to one relay's and as the
+	// ratio of the two. Needs PartCatchUp. Default 0: none.
+	Shards int
 	// Logger receives warnings about cleaning up. Default: discard.
 	Logger *slog.Logger
 }
@@ -164,7 +169,7 @@ func (cfg Config) check() []error {
 	if cfg.ProfileDir != "" && !cfg.has(PartCatchUp) {
 		errs = append(errs, fmt.Errorf("a profile is taken during the %s part, which is not selected", PartCatchUp))
 	}
-	return errs
+	return append(errs, cfg.checkShards()...)
 }
 
 // has reports whether part is selected.
@@ -177,6 +182,9 @@ func (cfg *Config) slotsNeeded() int {
 	n := 0
 	if cfg.has(PartCatchUp) {
 		n = cfg.Rounds * len(catchUpReaders)
+		if cfg.Shards > 1 {
+			n += cfg.Rounds * cfg.Shards
+		}
 		if cfg.ProfileDir != "" {
 			n++
 		}

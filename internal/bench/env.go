@@ -99,6 +99,12 @@ func (e *env) open(ctx context.Context) error {
 	if err := createConversations(ctx, e.pool, conversations); err != nil {
 		return err
 	}
+	if e.cfg.Shards > 1 {
+		// Publications baton_0 …, shared by every shard contender: each uses slots of its own.
+		if _, err := migrations.EnsureShards(ctx, e.pool, migrations.ShardOptions{Options: migrations.Options{Publication: publication}}, e.cfg.Shards); err != nil {
+			return fmt.Errorf("shard publications of %s: %w", e.dbName, err)
+		}
+	}
 	if e.nc, err = e.cfg.NATS.Connect(nats.Name("baton-bench"), nats.MaxReconnects(-1)); err != nil {
 		return err
 	}

@@ -75,6 +75,8 @@ type ReportConfig struct {
 	LatencyDurationSeconds float64  `json:"latency_duration_seconds"`
 	WarmupSeconds          float64  `json:"warmup_seconds"`
 	Parts                  []string `json:"parts"`
+	// Shards is how many shard relays ran at once in the catch-ups; 0 (omitted): none.
+	Shards int `json:"shards,omitempty"`
 }
 
 // Environment is what the run ran on.
@@ -92,7 +94,8 @@ func newReport(cfg *Config) *Report {
 		Version:   ReportVersion,
 		StartedAt: time.Now().UTC().Truncate(time.Second),
 		Config: ReportConfig{Rows: cfg.Rows, Rounds: cfg.Rounds, Rates: cfg.Rates,
-			LatencyDurationSeconds: cfg.LatencyDuration.Seconds(), WarmupSeconds: warmup.Seconds(), Parts: cfg.Parts},
+			LatencyDurationSeconds: cfg.LatencyDuration.Seconds(), WarmupSeconds: warmup.Seconds(), Parts: cfg.Parts,
+			Shards: cfg.Shards},
 		Figures: map[string]Figure{},
 		samples: map[string][]time.Duration{},
 	}
