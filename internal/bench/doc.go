@@ -49,8 +49,10 @@
 //     (1 s, not counted) and Config.LatencyDuration, while the relay (or the plain relay) runs.
 //
 // Contenders: relay, plain, decode_eager, decode_bulk_<pause>us (100us, 200us, 400us),
-// decode_ceiling (the highest decode_*), publish, and ratio for
-// the ratios. Measures:
+// decode_ceiling (the highest decode_*), publish, relay_shards<N> (with Config.Shards: N
+// `baton relay --shard K/N` processes at once on the backlog, each on a slot of its own, on
+// the bench database's shard publications; the catch-up sections only), and ratio for the
+// ratios. Measures:
 //
 //   - rows_per_s (relay, plain): rows ÷ (the "streaming" line → the stream holds every event);
 //     for backfill, rows ÷ (process start → every event stored). decode_*: rows ÷
@@ -72,7 +74,11 @@
 //     event is stored before the producer hears its COMMIT's answer); commits_per_s achieved; relay
 //     self_share_le_1ms: the share of the relay's own baton_relay_commit_to_ack_seconds
 //     observations (commit record timestamp → PubAck) at or below 1 ms over the measured span.
-//   - ratio: relay_vs_plain, relay_vs_decode_ceiling, relay_vs_publish (rows/s ÷ rows/s),
+//   - relay_shards<N>: rows_per_s is rows ÷ (the first shard relay's "streaming" line → the
+//     stream holds every event), their aggregate rate; confirm_s runs to every shard's slot
+//     confirming the end; cpu_us_per_row is their CPU time together.
+//   - ratio: relay_shards<N>_vs_relay (the shard relays' aggregate rows/s ÷ one relay's, same
+//     round), relay_vs_plain, relay_vs_decode_ceiling, relay_vs_publish (rows/s ÷ rows/s),
 //     relay_cpu_vs_plain_cpu (µs/row ÷ µs/row), relay_vs_tx1_conv1000 and
 //     plain_vs_tx1_conv1000 (a hot backlog's rate ÷ the same contender's 1,000-conversation
 //     rate in the same round), relay_p99_vs_plain_p99.
