@@ -85,9 +85,11 @@ func readSlot(ctx context.Context, db DB, s *Slot) {
 const shardPubsSQL = `SELECT substr(pubname, length($1) + 2)::int FROM pg_publication
 	WHERE left(pubname, length($1) + 1) = $1 || '_' AND substr(pubname, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'`
 
-// shardSlotsSQL lists the shard numbers K of the slots <slot>_<K>.
+// shardSlotsSQL lists the shard numbers K of this database's slots <slot>_<K> (slot names are
+// the cluster's: another database's are not this one's strays).
 const shardSlotsSQL = `SELECT substr(slot_name, length($1) + 2)::int FROM pg_replication_slots
-	WHERE left(slot_name, length($1) + 1) = $1 || '_' AND substr(slot_name, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'`
+	WHERE database = current_database()
+		AND left(slot_name, length($1) + 1) = $1 || '_' AND substr(slot_name, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'`
 
 // readShards reads the shard publications and each shard's slot, or returns nil when there
 // is no shard publication.
