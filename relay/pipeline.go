@@ -115,7 +115,7 @@ type pipeline struct {
 type ackResult struct {
 	id    uint64
 	err   error
-	dup   bool // a PubAck saying the stream had the event already (event by event only)
+	dup   bool        // a PubAck saying the stream had the event already (event by event only)
 	batch *batchReply // a reply on a batch; id is then unused
 }
 
