@@ -173,29 +173,13 @@ func (b *bundle) waitStreamCount(t *testing.T, stream string, n int, within time
 	return held
 }
 
+// readStream returns every message stream holds, in order. It reads by sequence, without a
+// consumer: the turns stream is a work queue, where an ordered consumer is refused.
 func (b *bundle) readStream(t *testing.T, stream string) []got {
 	t.Helper()
-	ctx := ctxT(t, time.Minute)
-	s, err := b.js.Stream(ctx, stream)
-	require.NoError(t, err)
-	info, err := s.Info(ctx)
-	require.NoError(t, err)
-	total := int(info.State.Msgs)
-	if total == 0 {
-		return nil
-	}
-	cons, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
-	require.NoError(t, err)
 	var out []got
-	for len(out) < total {
-		batch, err := cons.Fetch(min(total-len(out), 1000), jetstream.FetchMaxWait(5*time.Second))
-		require.NoError(t, err)
-		for m := range batch.Messages() {
-			md, err := m.Metadata()
-			require.NoError(t, err)
-			out = append(out, got{seq: md.Sequence.Stream, stored: md.Timestamp, subject: m.Subject(), header: m.Headers(), data: m.Data()})
-		}
-		require.NoError(t, batch.Error())
+	for _, m := range testsvc.StreamMsgs(ctxT(t, time.Minute), t, b.js, stream) {
+		out = append(out, got{seq: m.Sequence, stored: m.Time, subject: m.Subject, header: m.Header, data: m.Data})
 	}
 	return out
 }
@@ -401,24 +385,21 @@ func TestHostileConversationIDs(t *testing.T) {
 		subjects[m.subject] = conv
 	}
 
-	// A subscriber of one conversation sees only its own events.
+	// A reader of one conversation's subject sees only its own events: the stream's last
+	// message on that subject is that conversation's, and the only one.
 	s, err := b.js.Stream(ctx, "AGENT_TURNS")
 	require.NoError(t, err)
 	for _, c := range hostile {
 		subj, err := wire.TurnSubject("agent", c)
 		require.NoError(t, err)
-		cons, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{FilterSubjects: []string{subj}})
+		m, err := s.GetLastMsgForSubject(ctx, subj)
+		require.NoError(t, err, "conversation %q", c)
+		var ev wire.TurnEvent
+		require.NoError(t, json.Unmarshal(m.Data, &ev))
+		require.Equal(t, c, ev.ConversationID)
+		info, err := s.Info(ctx, jetstream.WithSubjectFilter(subj))
 		require.NoError(t, err)
-		batch, err := cons.Fetch(10, jetstream.FetchMaxWait(500*time.Millisecond))
-		require.NoError(t, err)
-		n := 0
-		for m := range batch.Messages() {
-			var ev wire.TurnEvent
-			require.NoError(t, json.Unmarshal(m.Data(), &ev))
-			require.Equal(t, c, ev.ConversationID)
-			n++
-		}
-		require.Equal(t, 1, n, "conversation %q", c)
+		require.Equal(t, map[string]uint64{subj: 1}, info.State.Subjects, "conversation %q", c)
 	}
 }
 
