@@ -29,7 +29,6 @@ stands by and takes over when the first goes away. SIGTERM stops reading, waits 
 acknowledgements (--drain-timeout), confirms and exits 0. After an error no retry can fix
 (a setup problem, a lost slot) it logs the error, keeps serving metrics and health, not
 ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits at once.`, stderr)
-	dupWindow := fs.Duration("dup-window", 2*time.Minute, "JetStream duplicate window for the streams it creates")
 	maxInFlight := fs.Int("max-in-flight", 8192, "events published or queued without a PubAck, at most")
 	maxChangeBytes := fs.Int("max-change-bytes", relay.DefaultMaxChangeBytes,
 		"replication messages larger than this are cut as they arrive and their change set aside\n"+
@@ -45,7 +44,8 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		"with nothing streaming from the slot for this long (its host vanished); takeover takes about\n"+
 		"wal_sender_timeout + this")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
-		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvSchema, config.EnvMetricsAddr, config.EnvPprofAddr, config.EnvFatalLinger)
+		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvSchema, config.EnvMetricsAddr, config.EnvPprofAddr, config.EnvFatalLinger,
+		config.EnvStreamReplicas, config.EnvStreamMaxAge, config.EnvStreamMaxBytes, config.EnvStreamMaxMsgs, config.EnvStreamDuplicate)
 	if err != nil {
 		return err
 	}
@@ -78,7 +78,7 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		Slot:             cfg.Slot,
 		Publication:      cfg.Publication,
 		Schema:           cfg.Schema,
-		Streams:          relay.StreamSettings{Duplicates: *dupWindow},
+		Streams:          streamSettings(cfg.Streams()),
 		MaxInFlight:      *maxInFlight,
 		MaxInFlightBytes: *maxInFlightBytes,
 		MaxChangeBytes:   *maxChangeBytes,
@@ -140,6 +140,16 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		return reportFailure(log, err, 0)
 	}
 	return nil
+}
+
+// streamSettings turns the BATON_STREAM_* settings into the relay's: there, no age limit is a
+// negative MaxAge (0 takes the default).
+func streamSettings(l config.StreamLimits) relay.StreamSettings {
+	s := relay.StreamSettings{Replicas: l.Replicas, MaxAge: l.MaxAge, MaxBytes: l.MaxBytes, MaxMsgs: l.MaxMsgs, Duplicates: l.Duplicates}
+	if s.MaxAge == 0 {
+		s.MaxAge = -1
+	}
+	return s
 }
 
 // closeNATS closes nc, waiting at most a second: a write stuck on a server that stopped
