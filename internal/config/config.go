@@ -187,7 +187,7 @@ var variables = []variable{
 	{EnvStreamReplicas, "replica `count` of the streams it creates, 1 to 5 (default 1)", func(c *Config) *string { return &c.StreamReplicas }},
 	{EnvStreamMaxAge, "outcomes older than this `duration` leave the outcomes stream; 0: no age limit; never applies to turns (default 168h)",
 		func(c *Config) *string { return &c.StreamMaxAge }},
-	{EnvStreamMaxBytes, "`size` cap of each stream it creates (bytes, or with KiB, MiB, GiB, TiB; -1: none); a full turns stream\n"+
+	{EnvStreamMaxBytes, "`size` cap of each stream it creates (bytes, or with KiB, MiB, GiB, TiB; -1: none); a full turns stream\n" +
 		"refuses new events until workers acknowledge, the others drop their oldest (default 1GiB)", func(c *Config) *string { return &c.StreamMaxBytes }},
 	{EnvStreamMaxMsgs, "`count` cap of the turns and outcomes streams it creates, like --stream-max-bytes; -1: none (default 1000000)",
 		func(c *Config) *string { return &c.StreamMaxMsgs }},
