@@ -173,13 +173,36 @@ func (b *bundle) waitStreamCount(t *testing.T, stream string, n int, within time
 	return held
 }
 
-// readStream returns every message stream holds, in order. It reads by sequence, without a
-// consumer: the turns stream is a work queue, where an ordered consumer is refused.
+// readStream returns every message stream holds, in order. The turns stream is a work queue,
+// where an ordered consumer (ack none) is refused: it reads with a pull consumer of its own
+// that never acknowledges, so nothing is deleted, and deletes it afterwards. No other consumer
+// may exist on a work queue's subjects meanwhile (the relay tests run no workers); a test that
+// has one reads with testsvc.StreamMsgs instead.
 func (b *bundle) readStream(t *testing.T, stream string) []got {
 	t.Helper()
+	ctx := ctxT(t, 2*time.Minute)
+	s, err := b.js.Stream(ctx, stream)
+	require.NoError(t, err)
+	info, err := s.Info(ctx)
+	require.NoError(t, err)
+	total := int(info.State.Msgs)
+	if total == 0 {
+		return nil
+	}
+	cons, err := s.CreateConsumer(ctx, jetstream.ConsumerConfig{AckPolicy: jetstream.AckExplicitPolicy, AckWait: time.Hour,
+		MaxAckPending: -1, DeliverPolicy: jetstream.DeliverAllPolicy, InactiveThreshold: time.Minute})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, s.DeleteConsumer(ctx, cons.CachedInfo().Name)) }()
 	var out []got
-	for _, m := range testsvc.StreamMsgs(ctxT(t, time.Minute), t, b.js, stream) {
-		out = append(out, got{seq: m.Sequence, stored: m.Time, subject: m.Subject, header: m.Header, data: m.Data})
+	for len(out) < total {
+		batch, err := cons.Fetch(min(total-len(out), 1000), jetstream.FetchMaxWait(5*time.Second))
+		require.NoError(t, err)
+		for m := range batch.Messages() {
+			md, err := m.Metadata()
+			require.NoError(t, err)
+			out = append(out, got{seq: md.Sequence.Stream, stored: md.Timestamp, subject: m.Subject(), header: m.Headers(), data: m.Data()})
+		}
+		require.NoError(t, batch.Error())
 	}
 	return out
 }
