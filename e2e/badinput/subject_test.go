@@ -52,8 +52,12 @@ func TestNATSSpecialConversationIDs(t *testing.T) {
 	s.requireAllAnswered(time.Minute)
 
 	// Every subject is <prefix>.<kind>.<one token> and decodes to its own conversation.
+	// (Turn events as published: the work queue deleted them once acknowledged.)
 	for _, kind := range []string{"AGENT_TURNS", "AGENT_OUTCOMES"} {
 		msgs := s.readStream(kind)
+		if kind == "AGENT_TURNS" {
+			msgs = s.publishedTurns()
+		}
 		require.Len(t, msgs, len(ids), kind)
 		seen := map[string]string{}
 		for _, m := range msgs {
