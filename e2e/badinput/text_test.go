@@ -30,7 +30,7 @@ const insertSQL = `WITH m AS (INSERT INTO messages (id, conversation_id, role, c
 // carry the exact content.
 func TestHandWrittenBadText(t *testing.T) {
 	t.Parallel()
-	s := start(t, options{})
+	s := start(t, options{watchTurns: true})
 	ctx := ctxFor(t, 2*time.Minute)
 	s.conversation("text")
 
