@@ -86,13 +86,9 @@ func (r *Relay) Run(ctx context.Context) error {
 		if time.Since(started) > time.Minute {
 			backoff = r.cfg.MinBackoff
 		}
-		limit := r.cfg.MaxBackoff
 		var full *streamFullError
-		if errors.As(err, &full) {
-			// Room frees as the workers acknowledge: retry soon, whatever came before.
-			limit = min(limit, streamFullMaxBackoff)
-			backoff = min(backoff, limit)
-		}
+		var next time.Duration
+		backoff, next = nextBackoff(backoff, r.cfg.MaxBackoff, errors.As(err, &full))
 		wait := backoff/2 + rand.N(backoff/2+1) //nolint:gosec // G404: jitter needs no secrecy
 		if full != nil {
 			r.streamFull(ctx, full, wait)
@@ -102,13 +98,26 @@ func (r *Relay) Run(ctx context.Context) error {
 		if retryIn(ctx, wait) != nil {
 			return nil
 		}
-		backoff = min(2*backoff, limit)
+		backoff = next
 	}
 }
 
 // streamFullMaxBackoff caps the wait between sessions while a stream refuses events for lack
 // of room: it frees as the workers acknowledge turn events, and the relay should follow soon.
 const streamFullMaxBackoff = time.Second
+
+// nextBackoff returns the backoff to wait now (Run jitters it) after a session that ended
+// with backoff cur, and the one after: doubling up to maxBackoff, and at most
+// streamFullMaxBackoff when a stream refused an event for lack of room, whatever came before:
+// room frees as the workers acknowledge, and the relay should follow soon.
+func nextBackoff(cur, maxBackoff time.Duration, streamFull bool) (now, next time.Duration) {
+	limit := maxBackoff
+	if streamFull {
+		limit = min(limit, streamFullMaxBackoff)
+	}
+	now = min(cur, limit)
+	return now, min(2*now, limit)
+}
 
 // streamFull handles a session that ended because a stream refused an event for lack of room
 // (see streamFullError): it raises baton_relay_stream_full for that stream and logs once at

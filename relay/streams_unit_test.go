@@ -64,3 +64,24 @@ func TestStreamSettingsFill(t *testing.T) {
 		require.ErrorIs(t, bad.fill(), ErrConfig, "%+v", bad)
 	}
 }
+
+// A stream-full episode retries within streamFullMaxBackoff, however long the backoff had
+// grown; other errors double it up to MaxBackoff.
+func TestNextBackoff(t *testing.T) {
+	for _, tc := range []struct {
+		cur, max  time.Duration
+		full      bool
+		now, next time.Duration
+	}{
+		{100 * time.Millisecond, 10 * time.Second, false, 100 * time.Millisecond, 200 * time.Millisecond},
+		{8 * time.Second, 10 * time.Second, false, 8 * time.Second, 10 * time.Second},
+		{10 * time.Second, 10 * time.Second, false, 10 * time.Second, 10 * time.Second},
+		{100 * time.Millisecond, 10 * time.Second, true, 100 * time.Millisecond, 200 * time.Millisecond},
+		{800 * time.Millisecond, 10 * time.Second, true, 800 * time.Millisecond, time.Second},
+		{8 * time.Second, 10 * time.Second, true, time.Second, time.Second},
+		{8 * time.Second, 500 * time.Millisecond, true, 500 * time.Millisecond, 500 * time.Millisecond},
+	} {
+		now, next := nextBackoff(tc.cur, tc.max, tc.full)
+		require.Equal(t, []time.Duration{tc.now, tc.next}, []time.Duration{now, next}, "%+v", tc)
+	}
+}
