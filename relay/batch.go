@@ -460,9 +460,10 @@ func (p *pipeline) nextCommit() (time.Time, bool) {
 func (p *pipeline) batchAck(a ackResult) error {
 	r := a.batch
 	var l *lane
+	li := 0
 	for i := range p.lanes {
 		if p.lanes[i].state != laneIdle && p.lanes[i].batch == r.id {
-			l = &p.lanes[i]
+			l, li = &p.lanes[i], i
 		}
 	}
 	if l == nil {
@@ -470,13 +471,14 @@ func (p *pipeline) batchAck(a ackResult) error {
 	}
 	if a.err != nil {
 		p.m.errors.WithLabelValues("publish").Inc()
-		subject := l.subject // the end-of-batch marker's, unless an event has r.seq
+		msg := nats.NewMsg(l.subject) // the end-of-batch marker, unless an event has r.seq
 		for _, ev := range l.events {
 			if ev.bseq == r.seq {
-				subject = ev.msg.Subject
+				msg = ev.msg
 			}
 		}
-		return fmt.Errorf("publish batch %s, message %d on %s: %w", r.id, r.seq, subject, a.err)
+		return fmt.Errorf("publish batch %s, message %d on %s: %w", r.id, r.seq, msg.Subject,
+			asStreamFull(a.err, li, p.streams[li], msg))
 	}
 	if r.final {
 		if r.acked != l.seq {
@@ -508,7 +510,7 @@ func (p *pipeline) ackBatched(l *lane, upTo uint64) {
 	l.acked = upTo
 	n := 0
 	for n < len(l.events) && l.events[n].bseq <= upTo {
-		p.acked(l.events[n])
+		p.acked(l.events[n], false)
 		l.events[n] = nil
 		n++
 	}

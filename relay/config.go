@@ -133,17 +133,82 @@ type Config struct {
 }
 
 // StreamSettings are the JetStream settings the relay applies to the streams it creates and
-// checks on streams that exist.
+// checks on streams that exist (see ensureStreams). The streams differ in retention:
+//
+//   - Turns (TurnsStream): work-queue retention, discard new, no age limit. A turn event stays
+//     until the workers' consumer acknowledges it, which they do only once its outbox row is
+//     terminal, and then JetStream deletes it: space frees as work finishes. When the stream is
+//     full (MaxMsgs or MaxBytes) JetStream refuses new events instead of dropping unfinished
+//     ones; the relay then holds its LSN, raises baton_relay_stream_full and retries until
+//     there is room. A work-queue stream takes one consumer per subject: other readers follow
+//     the outcomes stream instead.
+//   - Outcomes (OutcomesStream): limits retention, discard old: the oldest outcomes go first
+//     once MaxAge, MaxBytes or MaxMsgs is reached, so the relay never waits on subscribers.
+//   - Dead letter (DeadLetterStream): limits retention, discard old, DeadLetterMaxAge, MaxBytes.
 type StreamSettings struct {
-	// Duplicates is the Nats-Msg-Id deduplication window. Default 2m.
+	// Duplicates is the Nats-Msg-Id deduplication window of every stream. Default 2m
+	// (DefaultStreamDuplicates). It also applies to turn events the workers acknowledged,
+	// which a work-queue stream deletes: a replay within the window is still dropped.
 	Duplicates time.Duration
-	// MaxAge drops events older than this. Default 0: kept until MaxBytes. Unfinished work is
-	// also recovered from Postgres, so a cap does not lose requests.
+	// MaxAge drops outcomes older than this from the outcomes stream. It never applies to the
+	// turns stream: an age limit there would drop unfinished work. Default 7 days
+	// (DefaultOutcomesMaxAge); negative: no age limit.
 	MaxAge time.Duration
-	// MaxBytes caps each stream's size; the oldest events go first. Default -1 (no cap).
+	// MaxBytes caps the size of each stream: the turns stream refuses new events past it, the
+	// outcomes and dead-letter streams drop their oldest. Default 1 GiB
+	// (DefaultStreamMaxBytes); negative: no cap.
 	MaxBytes int64
-	// Replicas is the stream replica count. Default 1.
+	// MaxMsgs caps the messages of the turns and outcomes streams, like MaxBytes. Default
+	// 1,000,000 (DefaultStreamMaxMsgs); negative: no cap.
+	MaxMsgs int64
+	// Replicas is the stream replica count (1, or 3 or 5 on a JetStream cluster). Default 1.
 	Replicas int
+}
+
+// Defaults of StreamSettings.
+const (
+	DefaultStreamDuplicates = 2 * time.Minute
+	DefaultOutcomesMaxAge   = 7 * 24 * time.Hour
+	DefaultStreamMaxBytes   = 1 << 30
+	DefaultStreamMaxMsgs    = 1_000_000
+)
+
+// fill sets the defaults of the zero fields and turns "negative: none" into JetStream's -1 (0
+// for MaxAge).
+func (s *StreamSettings) fill() error {
+	if s.Duplicates < 0 {
+		return fmt.Errorf("%w: stream duplicate window %s is negative", ErrConfig, s.Duplicates)
+	}
+	if s.Duplicates == 0 {
+		s.Duplicates = DefaultStreamDuplicates
+	}
+	switch {
+	case s.MaxAge == 0:
+		s.MaxAge = DefaultOutcomesMaxAge
+	case s.MaxAge < 0:
+		s.MaxAge = 0 // JetStream's "no age limit"
+	}
+	if s.MaxAge > 0 && s.Duplicates > s.MaxAge {
+		return fmt.Errorf("%w: stream duplicate window %s is longer than the outcomes' max age %s", ErrConfig, s.Duplicates, s.MaxAge)
+	}
+	for _, v := range []struct {
+		n   *int64
+		def int64
+	}{{&s.MaxBytes, DefaultStreamMaxBytes}, {&s.MaxMsgs, DefaultStreamMaxMsgs}} {
+		switch {
+		case *v.n == 0:
+			*v.n = v.def
+		case *v.n < 0:
+			*v.n = -1
+		}
+	}
+	if s.Replicas == 0 {
+		s.Replicas = 1
+	}
+	if s.Replicas < 0 || s.Replicas > 5 {
+		return fmt.Errorf("%w: stream replicas %d: want 1 to 5", ErrConfig, s.Replicas)
+	}
+	return nil
 }
 
 // DefaultDeadLetterMaxAge is the default of Config.DeadLetterMaxAge.
@@ -195,14 +260,8 @@ func (c *Config) fill() error {
 	if c.DeadLetterMaxAge <= 0 {
 		c.DeadLetterMaxAge = DefaultDeadLetterMaxAge
 	}
-	if c.Streams.Duplicates == 0 {
-		c.Streams.Duplicates = 2 * time.Minute
-	}
-	if c.Streams.MaxBytes == 0 {
-		c.Streams.MaxBytes = -1
-	}
-	if c.Streams.Replicas == 0 {
-		c.Streams.Replicas = 1
+	if err := c.Streams.fill(); err != nil {
+		return err
 	}
 	defDur := func(d *time.Duration, v time.Duration) {
 		if *d <= 0 {

@@ -30,4 +30,10 @@
 //     A row the stream would set aside is set aside by the backfill too (backfillItem).
 //   - One relay per slot streams; others stand by (a session advisory lock and the slot's
 //     own exclusivity) and take over when it goes away.
+//   - No unfinished turn event is dropped by JetStream (ensureStreams, StreamSettings): the
+//     turns stream has work-queue retention, no age limit and discard new, so only the
+//     workers' acknowledgement removes an event, and a full stream refuses new ones. Such a
+//     refusal (streamFullError) ends the session like any failed publish, with the LSN held;
+//     Run retries within streamFullMaxBackoff, raises baton_relay_stream_full{stream} and
+//     logs once per episode, and the gauge falls back once the stream stores an event again.
 package relay

@@ -2,6 +2,9 @@ package relay
 
 import (
 	"errors"
+	"log/slog"
+	"sync/atomic"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -26,6 +29,12 @@ type metrics struct {
 	errors                             *prometheus.CounterVec // stage: postgres|nats|publish|decode
 	slotLost                           prometheus.Gauge
 	fatal                              *prometheus.GaugeVec // reason: setup|slot_lost
+	streamFull                         *prometheus.GaugeVec // stream
+	// full says, per lane (its stream), that a publish was refused for lack of room and none
+	// succeeded since; fullSince is when that began (UnixNano). Kept across sessions.
+	full      [laneCount]atomic.Bool
+	fullSince [laneCount]atomic.Int64
+	fullMsgID [laneCount]atomic.Pointer[string] // the Nats-Msg-Id of the event last refused
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -84,6 +93,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "baton_relay_fatal",
 			Help: "1 once the relay stopped on an error no retry can fix, by reason (setup, slot_lost); its ERROR log says what to do.",
 		}, []string{"reason"}),
+		streamFull: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "baton_relay_stream_full",
+			Help: "1 while the stream refuses events for lack of room (max_msgs or max_bytes with discard new: the turns stream): the relay holds its LSN and retries until the workers' acknowledgements free room.",
+		}, []string{"stream"}),
 	}
 	for _, reason := range []string{fatalSetup, fatalSlotLost} {
 		m.fatal.WithLabelValues(reason).Set(0)
@@ -97,7 +110,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.events, m.omitted, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
-			m.slotLagBytes, m.inFlight, m.inFlightBytes, m.active, m.batched, m.batching, m.switches, m.reconnects, m.errors, m.slotLost, m.fatal)
+			m.slotLagBytes, m.inFlight, m.inFlightBytes, m.active, m.batched, m.batching, m.switches, m.reconnects, m.errors, m.slotLost, m.fatal, m.streamFull)
 	}
 	return m
 }
@@ -115,4 +128,34 @@ func (m *metrics) stopped(err error) {
 		reason = fatalSlotLost
 	}
 	m.fatal.WithLabelValues(reason).Set(1)
+}
+
+// streamIsFull records that stream (of lane) refused the event msgID for lack of room, and
+// reports whether that starts an episode: the first refusal since the stream last stored an
+// event.
+func (m *metrics) streamIsFull(lane int, stream, msgID string) bool {
+	m.fullMsgID[lane].Store(&msgID)
+	if m.full[lane].Swap(true) {
+		return false
+	}
+	m.fullSince[lane].Store(time.Now().UnixNano())
+	m.streamFull.WithLabelValues(stream).Set(1)
+	return true
+}
+
+// roomAgain ends stream's full episode: a publish to it succeeded. Called on a PubAck while
+// full[lane] is set; logs at INFO once per episode.
+func (m *metrics) roomAgain(log *slog.Logger, lane int, stream string) {
+	if !m.full[lane].Swap(false) {
+		return
+	}
+	m.streamFull.WithLabelValues(stream).Set(0)
+	full := time.Since(time.Unix(0, m.fullSince[lane].Load())).Round(time.Millisecond)
+	log.Info("stream has room again; publishing resumed", "stream", stream, "full_for", full.String())
+}
+
+// refused reports whether msgID is the event the stream of lane refused last.
+func (m *metrics) refused(lane int, msgID string) bool {
+	id := m.fullMsgID[lane].Load()
+	return id != nil && *id == msgID && msgID != ""
 }

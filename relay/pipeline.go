@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -104,6 +105,9 @@ type pipeline struct {
 	sending    atomic.Bool // the sender is inside a send: nats.go may be stuck writing
 
 	confirmed *atomic.Uint64
+	// streams names each lane's stream, for errors and baton_relay_stream_full.
+	streams [laneCount]string
+	log     *slog.Logger
 }
 
 // ackResult is the reply to the publish of event id, or to a message of a batch: err is nil
@@ -111,6 +115,7 @@ type pipeline struct {
 type ackResult struct {
 	id    uint64
 	err   error
+	dup   bool        // a PubAck saying the stream had the event already (event by event only)
 	batch *batchReply // a reply on a batch; id is then unused
 }
 
@@ -167,6 +172,11 @@ func newPipeline(cfg *Config, m *metrics, confirmed *atomic.Uint64, open openSen
 		confirmed:  confirmed,
 		// Below MaxInFlight, or a relay configured with a small window would never batch.
 		batchEnter: max(1, min(batchEnterOutstanding, maxPending/2)),
+		streams:    [laneCount]string{laneTurns: cfg.TurnsStream, laneOutcomes: cfg.OutcomesStream, laneDeadLetter: cfg.DeadLetterStream},
+		log:        cfg.Logger,
+	}
+	if p.log == nil {
+		p.log = slog.New(slog.DiscardHandler)
 	}
 	if batched && cfg.alwaysBatches {
 		p.alwaysBatches, p.mode = true, publishBatches
@@ -578,9 +588,10 @@ func (p *pipeline) ack(a ackResult) error {
 	}
 	if a.err != nil {
 		p.m.errors.WithLabelValues("publish").Inc()
-		return fmt.Errorf("publish %s on %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject, a.err)
+		return fmt.Errorf("publish %s on %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject,
+			asStreamFull(a.err, ev.lane, p.streams[ev.lane], ev.msg))
 	}
-	p.acked(ev)
+	p.acked(ev, !a.dup)
 	switch q := p.subjects[ev.msg.Subject]; {
 	case len(q) == 0:
 		delete(p.subjects, ev.msg.Subject)
@@ -600,8 +611,12 @@ func (p *pipeline) ack(a ackResult) error {
 }
 
 // acked accounts for ev's PubAck: it leaves the events in flight, its transaction waits for one
-// event less, and the metrics count it. mu is held; the caller advances the confirmed LSN.
-func (p *pipeline) acked(ev *pendingEvent) {
+// event less, and the metrics count it. stored says the PubAck is not a duplicate's (batches do
+// not say). It ends a full episode of ev's stream (baton_relay_stream_full) when the stream
+// stored ev: the event it refused, or one that was no duplicate; a duplicate's PubAck, as a
+// replay brings them, says nothing about room. mu is held; the caller advances the confirmed
+// LSN.
+func (p *pipeline) acked(ev *pendingEvent, stored bool) {
 	delete(p.byID, ev.id)
 	p.inFlight--
 	p.bytes -= ev.size
@@ -621,6 +636,9 @@ func (p *pipeline) acked(ev *pendingEvent) {
 	}
 	if ev.omitted {
 		p.m.omitted.Inc()
+	}
+	if p.m.full[ev.lane].Load() && (stored || p.m.refused(ev.lane, ev.msg.Header.Get(nats.MsgIdHdr))) {
+		p.m.roomAgain(p.log, ev.lane, p.streams[ev.lane])
 	}
 	ev.tx.pending--
 }

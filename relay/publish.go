@@ -3,10 +3,12 @@ package relay
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // sendFunc publishes msg with the reply subject <inbox>.<token>, where token is
@@ -72,7 +74,8 @@ func newPublisher(nc *nats.Conn, deliver func(ackResult)) (*publisher, error) {
 		if err != nil {
 			return // not a subject we published with
 		}
-		deliver(ackResult{id: id, err: replyError(m)})
+		dup, err := replyDuplicate(m)
+		deliver(ackResult{id: id, err: err, dup: dup})
 	})
 	if err != nil {
 		return nil, fmt.Errorf("subscribe to PubAcks: %w", err)
@@ -106,22 +109,65 @@ func (p *publisher) close() {
 // without body (503: no stream listens on the subject), a JetStream API error, or a reply that
 // is not a PubAck.
 func replyError(m *nats.Msg) error {
+	_, err := replyDuplicate(m)
+	return err
+}
+
+// replyDuplicate is replyError, and for a PubAck whether it says "duplicate": the stream had
+// the message's Nats-Msg-Id already.
+func replyDuplicate(m *nats.Msg) (dup bool, err error) {
 	if len(m.Data) == 0 {
 		if status := m.Header.Get(statusHeader); status != "" {
 			if status == "503" {
-				return errNoResponders
+				return false, errNoResponders
 			}
-			return fmt.Errorf("NATS status %s %s", status, m.Header.Get(descriptionHeader))
+			return false, fmt.Errorf("NATS status %s %s", status, m.Header.Get(descriptionHeader))
 		}
 	}
 	ack, err := parsePubAck(m.Data)
 	switch {
 	case err != nil:
-		return err
+		return false, err
 	case ack.apiErr != nil:
-		return ack.apiErr
+		return false, ack.apiErr
 	case ack.stream == "":
-		return fmt.Errorf("%w: no stream in %q", errInvalidPubAck, m.Data)
+		return false, fmt.Errorf("%w: no stream in %q", errInvalidPubAck, m.Data)
 	}
-	return nil
+	return ack.duplicate, nil
+}
+
+// streamFullCodes are the JetStream error codes with which the server refuses to store a
+// message for lack of room, in a reply to a publish or to a message of a fast-ingest batch:
+// 10077, storing failed (a stream with discard new at its max_msgs or max_bytes: "maximum
+// messages exceeded", "maximum bytes exceeded"), 10023, the server's JetStream storage is
+// full ("insufficient resources"), and 10002, the account's is. Only the turns stream
+// discards new messages; the others make room by dropping their oldest.
+var streamFullCodes = []jetstream.ErrorCode{10077, 10023, 10002}
+
+// streamFullError is the error of a publish the stream refused for lack of room. The session
+// ends like on any failed publish, with the confirmed LSN held at the refused event's
+// transaction; Run retries it after a short wait (see streamFullMaxBackoff) instead of the
+// growing backoff of other errors, since room frees as the workers acknowledge turn events.
+type streamFullError struct {
+	lane    int // the stream's lane (see laneOf)
+	stream  string
+	subject string
+	msgID   string // the refused event's Nats-Msg-Id
+	err     *jetstream.APIError
+}
+
+func (e *streamFullError) Error() string {
+	return fmt.Sprintf("stream %s refused %s for lack of room (error %d: %s)", e.stream, e.subject, e.err.ErrorCode, e.err.Description)
+}
+
+func (e *streamFullError) Unwrap() error { return e.err }
+
+// asStreamFull returns err as a *streamFullError when it is the server's refusal to store a
+// message msg for lack of room in stream (of lane), and err otherwise.
+func asStreamFull(err error, lane int, stream string, msg *nats.Msg) error {
+	var api *jetstream.APIError
+	if errors.As(err, &api) && slices.Contains(streamFullCodes, api.ErrorCode) {
+		return &streamFullError{lane: lane, stream: stream, subject: msg.Subject, msgID: msg.Header.Get(nats.MsgIdHdr), err: api}
+	}
+	return err
 }

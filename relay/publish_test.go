@@ -98,7 +98,7 @@ func TestPublisherReportsEachKindOfReply(t *testing.T) {
 	}
 
 	publish("puback.a", "one", 7) // a duplicate: acknowledged
-	require.Equal(t, ackResult{id: 7}, next(t))
+	require.Equal(t, ackResult{id: 7, dup: true}, next(t))
 
 	publish("puback.a", "three", 8) // the stream is full
 	a := next(t)

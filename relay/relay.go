@@ -41,7 +41,11 @@ func New(cfg Config) (*Relay, error) {
 	if err := cfg.fill(); err != nil {
 		return nil, err
 	}
-	return &Relay{cfg: cfg, m: newMetrics(cfg.Registerer)}, nil
+	m := newMetrics(cfg.Registerer)
+	for _, stream := range []string{cfg.TurnsStream, cfg.OutcomesStream, cfg.DeadLetterStream} {
+		m.streamFull.WithLabelValues(stream).Set(0) // shown from the start
+	}
+	return &Relay{cfg: cfg, m: m}, nil
 }
 
 // Confirmed returns the LSN the relay has made safe to confirm to Postgres.
@@ -82,13 +86,66 @@ func (r *Relay) Run(ctx context.Context) error {
 		if time.Since(started) > time.Minute {
 			backoff = r.cfg.MinBackoff
 		}
+		var full *streamFullError
+		var next time.Duration
+		backoff, next = nextBackoff(backoff, r.cfg.MaxBackoff, errors.As(err, &full))
 		wait := backoff/2 + rand.N(backoff/2+1) //nolint:gosec // G404: jitter needs no secrecy
-		log.Warn("relay session ended; reconnecting", "error", err, "retry_in", wait)
+		if full != nil {
+			r.streamFull(ctx, full, wait)
+		} else {
+			log.Warn("relay session ended; reconnecting", "error", err, "retry_in", wait)
+		}
 		if retryIn(ctx, wait) != nil {
 			return nil
 		}
-		backoff = min(2*backoff, r.cfg.MaxBackoff)
+		backoff = next
 	}
+}
+
+// streamFullMaxBackoff caps the wait between sessions while a stream refuses events for lack
+// of room: it frees as the workers acknowledge turn events, and the relay should follow soon.
+const streamFullMaxBackoff = time.Second
+
+// nextBackoff returns the backoff to wait now (Run jitters it) after a session that ended
+// with backoff cur, and the one after: doubling up to maxBackoff, and at most
+// streamFullMaxBackoff when a stream refused an event for lack of room, whatever came before:
+// room frees as the workers acknowledge, and the relay should follow soon.
+func nextBackoff(cur, maxBackoff time.Duration, streamFull bool) (now, next time.Duration) {
+	limit := maxBackoff
+	if streamFull {
+		limit = min(limit, streamFullMaxBackoff)
+	}
+	now = min(cur, limit)
+	return now, min(2*now, limit)
+}
+
+// streamFull handles a session that ended because a stream refused an event for lack of room
+// (see streamFullError): it raises baton_relay_stream_full for that stream and logs once at
+// WARN per episode, naming the stream, its limits and what it holds; the retries of the same
+// episode log at DEBUG. The gauge falls back to 0, with an INFO log, at the next PubAck from
+// that stream (metrics.roomAgain). The slot's confirmed LSN stays before the refused event:
+// nothing past it is confirmed until it is stored.
+func (r *Relay) streamFull(ctx context.Context, full *streamFullError, retryIn time.Duration) {
+	log := r.cfg.Logger
+	if !r.m.streamIsFull(full.lane, full.stream, full.msgID) {
+		log.Debug("stream still full; retrying", "stream", full.stream, "error", full, "retry_in", retryIn)
+		return
+	}
+	args := []any{"stream", full.stream, "subject", full.subject, "error_code", int(full.err.ErrorCode),
+		"error", full.err.Description, "lsn", r.Confirmed(), "retry_in", retryIn}
+	// The stream's own limits and state: an existing stream may have others than configured.
+	// The server just answered, so the API does not wait on a stuck publish.
+	if js, err := jetstream.New(r.cfg.NATS); err == nil {
+		ictx, cancel := context.WithTimeout(ctx, time.Second)
+		if st, err := js.Stream(ictx, full.stream); err == nil {
+			info := st.CachedInfo()
+			args = append(args, "max_msgs", info.Config.MaxMsgs, "max_bytes", info.Config.MaxBytes,
+				"msgs", info.State.Msgs, "bytes", info.State.Bytes)
+		}
+		cancel()
+	}
+	log.Warn("stream is full: holding the LSN and retrying until the workers' acknowledgements free room "+
+		"(raise BATON_STREAM_MAX_MSGS / BATON_STREAM_MAX_BYTES, or add workers, if it persists)", args...)
 }
 
 // serverAnswers reports whether the NATS server answers a ping within a second. Publishes

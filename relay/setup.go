@@ -157,37 +157,18 @@ func checkShardFilters(ctx context.Context, conn *pgx.Conn, cfg *Config) error {
 	return nil
 }
 
-// ensureStreams creates the turns, outcomes and dead-letter streams or checks the existing ones,
-// and reports whether every one of them takes fast-ingest batches (see batch.go): unless
-// cfg.ClassicPublish, it asks for allow_batched, on an existing stream too. A server older than
-// 2.14 does not know the setting and leaves it off; the relay then publishes event by event.
+// ensureStreams creates the turns, outcomes and dead-letter streams or checks the existing ones
+// (see StreamSettings for what each holds), and reports whether every one of them takes
+// fast-ingest batches (see batch.go): unless cfg.ClassicPublish, it asks for allow_batched, on
+// an existing stream too. A server older than 2.14 does not know the setting and leaves it off;
+// the relay then publishes event by event. An existing stream whose settings break what the
+// relay relies on is refused with ErrSetup naming each setting; one whose limits (max age,
+// bytes, messages, replicas) differ from cfg.Streams is kept as it is, with a warning: the
+// relay never rewrites an operator's limits.
 func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (batched bool, err error) {
 	batched = !cfg.ClassicPublish
-	for _, s := range []struct {
-		name, kind, desc string
-		maxAge           time.Duration
-	}{
-		{cfg.TurnsStream, wire.KindTurns, "Baton turns events relayed from Postgres", cfg.Streams.MaxAge},
-		{cfg.OutcomesStream, wire.KindOutcomes, "Baton outcomes events relayed from Postgres", cfg.Streams.MaxAge},
-		// Limits retention like the others; records age out after DeadLetterMaxAge.
-		{cfg.DeadLetterStream, wire.KindDeadLetter, "Baton relay: changes set aside because no retry could publish them", cfg.DeadLetterMaxAge},
-	} {
-		want := jetstream.StreamConfig{
-			Name:        s.name,
-			Description: s.desc,
-			Subjects:    []string{wire.StreamFilter(cfg.SubjectPrefix, s.kind)},
-			Storage:     jetstream.FileStorage,
-			Retention:   jetstream.LimitsPolicy,
-			Discard:     jetstream.DiscardOld,
-			Duplicates:  cfg.Streams.Duplicates,
-			MaxAge:      s.maxAge,
-			MaxBytes:    cfg.Streams.MaxBytes,
-			MaxMsgs:     -1,
-			Replicas:    cfg.Streams.Replicas,
-			// Stays false on a server that does not know it; checked below.
-			AllowBatchPublish: !cfg.ClassicPublish,
-		}
-		st, err := js.Stream(ctx, s.name)
+	for _, want := range wantStreams(cfg) {
+		st, err := js.Stream(ctx, want.Name)
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
 			st, err = js.CreateStream(ctx, want)
 			if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
@@ -197,15 +178,19 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (ba
 				continue
 			}
 			if err != nil {
-				return false, fmt.Errorf("create stream %s: %w", s.name, err)
+				return false, fmt.Errorf("create stream %s: %w", want.Name, err)
 			}
 		}
 		if err != nil {
-			return false, fmt.Errorf("look up stream %s: %w", s.name, err)
+			return false, fmt.Errorf("look up stream %s: %w", want.Name, err)
 		}
 		have := st.CachedInfo().Config
 		if err := compatible(have, want, cfg.NATS.MaxPayload()); err != nil {
-			return false, fmt.Errorf("%w: stream %s exists with %w; change it or set another stream name", ErrSetup, s.name, err)
+			return false, fmt.Errorf("%w: stream %s exists with %w; change it or set another stream name", ErrSetup, want.Name, err)
+		}
+		if diff := otherLimits(have, want); diff != "" {
+			cfg.Logger.Warn("stream exists with other limits than configured; the relay keeps them (change them with `nats stream edit`)",
+				"stream", want.Name, "differences", diff)
 		}
 		if batched && !have.AllowBatchPublish {
 			have.AllowBatchPublish = true
@@ -216,9 +201,40 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (ba
 	return batched, nil
 }
 
+// wantStreams returns the configuration of the turns, outcomes and dead-letter streams.
+func wantStreams(cfg *Config) []jetstream.StreamConfig {
+	s := cfg.Streams
+	stream := func(name, kind, desc string) jetstream.StreamConfig {
+		return jetstream.StreamConfig{
+			Name:        name,
+			Description: desc,
+			Subjects:    []string{wire.StreamFilter(cfg.SubjectPrefix, kind)},
+			Storage:     jetstream.FileStorage,
+			Retention:   jetstream.LimitsPolicy,
+			Discard:     jetstream.DiscardOld,
+			Duplicates:  s.Duplicates,
+			MaxBytes:    s.MaxBytes,
+			MaxMsgs:     s.MaxMsgs,
+			Replicas:    s.Replicas,
+			// Stays false on a server that does not know it; checked in ensureStreams.
+			AllowBatchPublish: !cfg.ClassicPublish,
+		}
+	}
+	// Turn events leave the stream when the workers acknowledge them, never by age, and a
+	// full stream refuses new ones: nothing unfinished is dropped (DESIGN invariant 8).
+	turns := stream(cfg.TurnsStream, wire.KindTurns, "Baton turns events relayed from Postgres")
+	turns.Retention, turns.Discard, turns.MaxAge = jetstream.WorkQueuePolicy, jetstream.DiscardNew, 0
+	outcomes := stream(cfg.OutcomesStream, wire.KindOutcomes, "Baton outcomes events relayed from Postgres")
+	outcomes.MaxAge = s.MaxAge
+	deadLetter := stream(cfg.DeadLetterStream, wire.KindDeadLetter, "Baton relay: changes set aside because no retry could publish them")
+	deadLetter.MaxAge, deadLetter.MaxMsgs = cfg.DeadLetterMaxAge, -1
+	return []jetstream.StreamConfig{turns, outcomes, deadLetter}
+}
+
 // compatible reports the settings of have that break what the relay relies on. Each of them
-// would fail every publish, or leave it without a PubAck, on every retry: the relay refuses
-// to start instead. maxPayload is the server's: the relay sizes events to fit it.
+// would fail every publish, or leave it without a PubAck, on every retry, or drop unfinished
+// turn events: the relay refuses to start instead. maxPayload is the server's: the relay sizes
+// events to fit it.
 func compatible(have, want jetstream.StreamConfig, maxPayload int64) error {
 	var bad []string
 	if !slices.Contains(have.Subjects, want.Subjects[0]) {
@@ -227,11 +243,27 @@ func compatible(have, want jetstream.StreamConfig, maxPayload int64) error {
 	if have.Storage != want.Storage {
 		bad = append(bad, fmt.Sprintf("storage %s (want %s)", have.Storage, want.Storage))
 	}
+	turns := want.Retention == jetstream.WorkQueuePolicy
 	if have.Retention != want.Retention {
-		bad = append(bad, fmt.Sprintf("retention %s (want %s)", have.Retention, want.Retention))
+		why := ""
+		if turns || have.Retention == jetstream.WorkQueuePolicy {
+			// JetStream cannot change retention to or from work queue on an existing stream.
+			why = "; JetStream cannot change it in place: stop every relay, let the workers drain the stream " +
+				"(no pending or processing outbox rows, and `nats consumer info` shows nothing pending or awaiting ack), " +
+				"delete it with `nats stream rm " + have.Name + "`, and start the relay, which creates it (see README, stream settings)"
+		}
+		bad = append(bad, fmt.Sprintf("retention %s (want %s%s)", have.Retention, want.Retention, why))
 	}
 	if have.Discard != want.Discard {
-		bad = append(bad, fmt.Sprintf("discard %s (want %s: discarding new events would reject publishes)", have.Discard, want.Discard))
+		why := "discarding new events would stall the relay once the stream is full"
+		if turns {
+			why = "discarding old events would drop unfinished turn events when the stream is full"
+		}
+		bad = append(bad, fmt.Sprintf("discard %s (want %s: %s; `nats stream edit %s --discard %s`)", have.Discard, want.Discard, why,
+			have.Name, strings.TrimPrefix(strings.ToLower(want.Discard.String()), "discard")))
+	}
+	if turns && have.MaxAge > 0 {
+		bad = append(bad, fmt.Sprintf("max_age %s (want none: an age limit would drop unfinished turn events)", have.MaxAge))
 	}
 	if have.Duplicates < want.Duplicates {
 		bad = append(bad, fmt.Sprintf("duplicate window %s (want at least %s)", have.Duplicates, want.Duplicates))
@@ -250,6 +282,25 @@ func compatible(have, want jetstream.StreamConfig, maxPayload int64) error {
 		return nil
 	}
 	return errors.New(strings.Join(bad, ", "))
+}
+
+// otherLimits describes the limits of have that differ from want's without breaking anything
+// (the relay keeps them), or returns "".
+func otherLimits(have, want jetstream.StreamConfig) string {
+	var diff []string
+	if have.MaxAge != want.MaxAge && want.Retention != jetstream.WorkQueuePolicy {
+		diff = append(diff, fmt.Sprintf("max_age %s (configured %s)", have.MaxAge, want.MaxAge))
+	}
+	if have.MaxBytes != want.MaxBytes {
+		diff = append(diff, fmt.Sprintf("max_bytes %d (configured %d)", have.MaxBytes, want.MaxBytes))
+	}
+	if have.MaxMsgs != want.MaxMsgs {
+		diff = append(diff, fmt.Sprintf("max_msgs %d (configured %d)", have.MaxMsgs, want.MaxMsgs))
+	}
+	if have.Replicas != want.Replicas {
+		diff = append(diff, fmt.Sprintf("replicas %d (configured %d)", have.Replicas, want.Replicas))
+	}
+	return strings.Join(diff, ", ")
 }
 
 // slotInfo is the slot's row in pg_replication_slots and Baton's record of it.

@@ -30,7 +30,6 @@ stands by and takes over when the first goes away. SIGTERM stops reading, waits 
 acknowledgements (--drain-timeout), confirms and exits 0. After an error no retry can fix
 (a setup problem, a lost slot) it logs the error, keeps serving metrics and health, not
 ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits at once.`, stderr)
-	dupWindow := fs.Duration("dup-window", 2*time.Minute, "JetStream duplicate window for the streams it creates")
 	maxInFlight := fs.Int("max-in-flight", 8192, "events published or queued without a PubAck, at most")
 	maxChangeBytes := fs.Int("max-change-bytes", relay.DefaultMaxChangeBytes,
 		"replication messages larger than this are cut as they arrive and their change set aside\n"+
@@ -48,7 +47,8 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 	shard := fs.String("shard", "", "run as shard `K/N` of N sharded relays: stream publication <publication>_K (made by\n"+
 		"baton migrate --shards N) from slot <slot>_K; one active relay (plus standbys) per shard")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
-		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvSchema, config.EnvMetricsAddr, config.EnvPprofAddr, config.EnvFatalLinger)
+		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvSchema, config.EnvMetricsAddr, config.EnvPprofAddr, config.EnvFatalLinger,
+		config.EnvStreamReplicas, config.EnvStreamMaxAge, config.EnvStreamMaxBytes, config.EnvStreamMaxMsgs, config.EnvStreamDuplicate)
 	if err != nil {
 		return err
 	}
@@ -89,7 +89,7 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		Schema:           cfg.Schema,
 		Shards:           shardN,
 		Shard:            shardK,
-		Streams:          relay.StreamSettings{Duplicates: *dupWindow},
+		Streams:          streamSettings(cfg.Streams()),
 		MaxInFlight:      *maxInFlight,
 		MaxInFlightBytes: *maxInFlightBytes,
 		MaxChangeBytes:   *maxChangeBytes,
@@ -151,6 +151,16 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		return reportFailure(log, err, 0)
 	}
 	return nil
+}
+
+// streamSettings turns the BATON_STREAM_* settings into the relay's: there, no age limit is a
+// negative MaxAge (0 takes the default).
+func streamSettings(l config.StreamLimits) relay.StreamSettings {
+	s := relay.StreamSettings{Replicas: l.Replicas, MaxAge: l.MaxAge, MaxBytes: l.MaxBytes, MaxMsgs: l.MaxMsgs, Duplicates: l.Duplicates}
+	if s.MaxAge == 0 {
+		s.MaxAge = -1
+	}
+	return s
 }
 
 // closeNATS closes nc, waiting at most a second: a write stuck on a server that stopped

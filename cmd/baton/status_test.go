@@ -162,6 +162,8 @@ func TestStatusOfLiveSystem(t *testing.T) {
 	b.exec(`UPDATE agent_outbox SET status = 'error', processed_at = now(), last_error = 'by hand' WHERE message_id = 'c3-m3'`)
 
 	// The relay and the acks are asynchronous: wait until the streams and the consumer settled.
+	// The turns stream is a work queue: the three acknowledged events are gone from it, the
+	// four pending ones stay (7 stored in all).
 	var r result
 	var rep statusreport.Report
 	require.Eventually(t, func() bool {
@@ -171,7 +173,7 @@ func TestStatusOfLiveSystem(t *testing.T) {
 			return false
 		}
 		rep = got
-		return got.Streams.Turns.Messages == 7 && got.Streams.Outcomes.Messages == 3 &&
+		return got.Streams.Turns.Messages == 4 && got.Streams.Turns.LastSeq == 7 && got.Streams.Outcomes.Messages == 3 &&
 			got.Streams.Consumer.NumPending == 4 && got.Streams.Consumer.NumAckPending == 0
 	}, time.Minute, 50*time.Millisecond, "streams never settled; last report:\n%s\n%s", r.stdout, r.stderr)
 	require.Equal(t, 0, r.code, r.stderr)
@@ -226,7 +228,7 @@ func TestStatusOfLiveSystem(t *testing.T) {
 	}
 	byStatus := raw["outbox"].(map[string]any)["by_status"].(map[string]any)
 	require.Equal(t, map[string]any{"pending": 2.0, "processing": 0.0, "done": 4.0, "error": 1.0}, byStatus)
-	require.Equal(t, 7.0, raw["streams"].(map[string]any)["turns"].(map[string]any)["messages"])
+	require.Equal(t, 4.0, raw["streams"].(map[string]any)["turns"].(map[string]any)["messages"])
 
 	// The table shows the same, aligned.
 	r = b.status(true)
@@ -243,7 +245,7 @@ func TestStatusOfLiveSystem(t *testing.T) {
 		`(?m)^  processing {2,}0$`,
 		`(?m)^  done {2,}4$`,
 		`(?m)^  error {2,}1$`,
-		`(?m)^  AGENT_TURNS {2,}7 {2,}`,
+		`(?m)^  AGENT_TURNS {2,}4 {2,}\S+ \S+ {2,}4 {2,}7 {2,}`, // a work queue: the acknowledged events are gone
 		`(?m)^  AGENT_OUTCOMES {2,}3 {2,}`,
 		`(?m)^  baton-workers {2,}AGENT_TURNS {2,}4 {2,}0 {2,}0 {2,}\d+$`,
 		fmt.Sprintf(`(?m)^  version {2,}%d \(this binary: %d\)$`, migrations.Latest(), migrations.Latest()),

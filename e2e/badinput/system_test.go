@@ -36,6 +36,58 @@ type system struct {
 	prod    *producer.Producer
 	relay   *process
 	worker  *process
+	// turns holds every turn event the relay published, as a core NATS subscription to the
+	// turn subjects sees them (options.watchTurns): the turns stream is a work queue that
+	// deletes what the worker acknowledged, and no consumer besides the worker's may read it.
+	turns *turnWatch
+}
+
+// turnWatch records the messages published on the turn subjects.
+type turnWatch struct {
+	mu   sync.Mutex
+	msgs []*nats.Msg
+}
+
+// watchTurns subscribes to every turn subject on nc until the test ends.
+func watchTurns(t *testing.T, nc *nats.Conn) *turnWatch {
+	t.Helper()
+	w := &turnWatch{}
+	sub, err := nc.Subscribe(wire.StreamFilter(wire.DefaultSubjectPrefix, wire.KindTurns), func(m *nats.Msg) {
+		w.mu.Lock()
+		w.msgs = append(w.msgs, m)
+		w.mu.Unlock()
+	})
+	require.NoError(t, err)
+	require.NoError(t, sub.SetPendingLimits(-1, -1))
+	require.NoError(t, nc.Flush())
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	return w
+}
+
+// published returns the turn events published so far, replays included.
+func (w *turnWatch) published() []*nats.Msg {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return append([]*nats.Msg(nil), w.msgs...)
+}
+
+// publishedTurns returns the turn events the relay published, once per Nats-Msg-Id (a replay
+// the stream dropped as a duplicate is left out), in the order first seen, numbered from 1 in
+// Sequence. It stands for reading AGENT_TURNS, a work queue whose events are gone once the
+// worker acknowledged them.
+func (s *system) publishedTurns() []*jetstream.RawStreamMsg {
+	require.NotNil(s.t, s.turns, "start the system with options.watchTurns")
+	var out []*jetstream.RawStreamMsg
+	seen := map[string]bool{}
+	for _, m := range s.turns.published() {
+		id := m.Header.Get(nats.MsgIdHdr)
+		if seen[id] {
+			continue
+		}
+		seen[id] = true
+		out = append(out, &jetstream.RawStreamMsg{Subject: m.Subject, Sequence: uint64(len(out) + 1), Header: m.Header, Data: m.Data})
+	}
+	return out
 }
 
 // options change what start builds.
@@ -45,6 +97,10 @@ type options struct {
 	maxPayload int32
 	// maxContentBytes is the producer's Config.MaxContentBytes (0: its default, 1 MiB).
 	maxContentBytes int
+	// watchTurns subscribes to the turn subjects (see publishedTurns). The subscription
+	// answers for the subjects: a publish to a deleted turns stream then gets no PubAck
+	// instead of "no responders".
+	watchTurns bool
 }
 
 // start brings up the system and waits until the relay streams and the worker consumes.
@@ -62,6 +118,9 @@ func start(t *testing.T, o options) *system {
 	s.nc = nc
 	s.js, err = jetstream.New(nc)
 	require.NoError(t, err)
+	if o.watchTurns {
+		s.turns = watchTurns(t, nc)
+	}
 	s.prod, err = producer.New(producer.Config{MaxContentBytes: o.maxContentBytes})
 	require.NoError(t, err)
 	s.relay = s.startRelay()

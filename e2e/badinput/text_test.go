@@ -30,7 +30,7 @@ const insertSQL = `WITH m AS (INSERT INTO messages (id, conversation_id, role, c
 // carry the exact content.
 func TestHandWrittenBadText(t *testing.T) {
 	t.Parallel()
-	s := start(t, options{})
+	s := start(t, options{watchTurns: true})
 	ctx := ctxFor(t, 2*time.Minute)
 	s.conversation("text")
 
@@ -108,8 +108,9 @@ func TestHandWrittenBadText(t *testing.T) {
 		require.Equal(t, a.reply, ev.Content, "outcome of %q carries the exact reply", id)
 	}
 
-	// Turn events: valid JSON with the exact ids, headers in header form.
-	turns := s.readStream("AGENT_TURNS")
+	// Turn events: valid JSON with the exact ids, headers in header form (as published: the
+	// work queue deleted them once acknowledged).
+	turns := s.publishedTurns()
 	require.Len(t, turns, len(want))
 	for _, m := range turns {
 		require.True(t, json.Valid(m.Data), "turn event is not valid JSON: %q", m.Data)

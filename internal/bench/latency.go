@@ -215,15 +215,38 @@ type storedCollector struct {
 	mu     sync.Mutex
 	stored map[int64]time.Time
 	cc     jetstream.ConsumeContext
+	stream jetstream.Stream
+	name   string // the consumer's
 }
 
-// collectStored follows stream from now on with an ordered consumer.
+// collectStored follows stream from now on with a pull consumer of its own that never
+// acknowledges. The relay's turns stream is a work queue: an ordered consumer (ack none) is
+// refused there, and a consumer must deliver all (no worker runs in the bench, so the stream
+// holds only this run's events); one that acknowledged would delete the events. Nothing is
+// redelivered before the run ends (ack wait of an hour), and no limit of pending
+// acknowledgements stops the delivery.
 func collectStored(ctx context.Context, e *env, stream string) (*storedCollector, error) {
 	c := &storedCollector{stored: map[int64]time.Time{}}
-	cons, err := e.js.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{DeliverPolicy: jetstream.DeliverNewPolicy})
+	st, err := e.js.Stream(ctx, stream)
 	if err != nil {
 		return nil, fmt.Errorf("follow %s: %w", stream, err)
 	}
+	deliver := jetstream.DeliverNewPolicy
+	if st.CachedInfo().Config.Retention == jetstream.WorkQueuePolicy {
+		deliver = jetstream.DeliverAllPolicy
+	}
+	cons, err := st.CreateConsumer(ctx, jetstream.ConsumerConfig{
+		Description:       "baton bench: store times",
+		AckPolicy:         jetstream.AckExplicitPolicy,
+		AckWait:           time.Hour,
+		MaxAckPending:     -1,
+		DeliverPolicy:     deliver,
+		InactiveThreshold: time.Minute, // the server removes it should stop not run
+	})
+	if err != nil {
+		return nil, fmt.Errorf("follow %s: %w", stream, err)
+	}
+	c.stream, c.name = st, cons.CachedInfo().Name
 	c.cc, err = cons.Consume(func(m jetstream.Msg) {
 		md, err := m.Metadata()
 		if err != nil {
@@ -238,15 +261,19 @@ func collectStored(ctx context.Context, e *env, stream string) (*storedCollector
 		c.mu.Unlock()
 	})
 	if err != nil {
+		_ = st.DeleteConsumer(ctx, c.name)
 		return nil, fmt.Errorf("follow %s: %w", stream, err)
 	}
 	return c, nil
 }
 
-// stop stops the consumer and waits until it has. Calling it again does nothing.
+// stop stops the consumer, waits until it has, and deletes it.
 func (c *storedCollector) stop() {
 	c.cc.Stop()
 	<-c.cc.Closed()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = c.stream.DeleteConsumer(ctx, c.name) // else the server drops it after InactiveThreshold
 }
 
 // wait waits until the event of every commit of recs is stored, while p runs, for at most 30 s

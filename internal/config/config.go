@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/url"
 	"strconv"
@@ -51,6 +52,11 @@ const (
 	EnvFatalLinger     = "BATON_FATAL_LINGER"
 	EnvLogLevel        = "BATON_LOG_LEVEL"
 	EnvLogFormat       = "BATON_LOG_FORMAT"
+	EnvStreamReplicas  = "BATON_STREAM_REPLICAS"
+	EnvStreamMaxAge    = "BATON_STREAM_MAX_AGE"
+	EnvStreamMaxBytes  = "BATON_STREAM_MAX_BYTES"
+	EnvStreamMaxMsgs   = "BATON_STREAM_MAX_MSGS"
+	EnvStreamDuplicate = "BATON_STREAM_DUPLICATES"
 )
 
 // DefaultFatalLinger is FatalLinger's default, as a duration.
@@ -118,6 +124,28 @@ type Config struct {
 	// LogFormat is "text" or "json". Default: "text".
 	LogFormat string `env:"BATON_LOG_FORMAT" envDefault:"text"`
 
+	// The JetStream streams the relay creates (see Streams; an existing stream keeps its own
+	// limits).
+	//
+	// StreamReplicas is the replica count of every stream: 1, or 3 or 5 on a JetStream
+	// cluster (any of 1 to 5). Default: "1".
+	StreamReplicas string `env:"BATON_STREAM_REPLICAS" envDefault:"1"`
+	// StreamMaxAge is how long the outcomes stream keeps an outcome: a Go duration, 0 for no
+	// age limit. It never applies to the turns stream, where an age limit would drop unfinished
+	// work. Default: "168h" (7 days).
+	StreamMaxAge string `env:"BATON_STREAM_MAX_AGE" envDefault:"168h"`
+	// StreamMaxBytes caps the size of each stream: bytes, or a number with KiB, MiB, GiB or
+	// TiB; -1 for no cap. A full turns stream refuses new events (the relay waits for the
+	// workers to make room); the outcomes and dead-letter streams drop their oldest.
+	// Default: "1GiB".
+	StreamMaxBytes string `env:"BATON_STREAM_MAX_BYTES" envDefault:"1GiB"`
+	// StreamMaxMsgs caps the messages of the turns and outcomes streams, like StreamMaxBytes;
+	// -1 for no cap. Default: "1000000".
+	StreamMaxMsgs string `env:"BATON_STREAM_MAX_MSGS" envDefault:"1000000"`
+	// StreamDuplicates is the Nats-Msg-Id deduplication window of every stream: a positive Go
+	// duration, at most StreamMaxAge. Default: "2m".
+	StreamDuplicates string `env:"BATON_STREAM_DUPLICATES" envDefault:"2m"`
+
 	// flags maps a variable to the flag bound to it by BindFlags, so errors name what the
 	// user actually set.
 	flags map[string]*boundFlag
@@ -126,6 +154,7 @@ type Config struct {
 type boundFlag struct {
 	name string
 	set  bool
+	used string // the name it was set with: name, or an alias
 }
 
 // variable describes one setting: its variable, flag name and flag usage.
@@ -155,6 +184,15 @@ var variables = []variable{
 		func(c *Config) *string { return &c.FatalLinger }},
 	{EnvLogLevel, "log `level`: debug, info, warn, error (default info)", func(c *Config) *string { return &c.LogLevel }},
 	{EnvLogFormat, "log `format`: text or json (default text)", func(c *Config) *string { return &c.LogFormat }},
+	{EnvStreamReplicas, "replica `count` of the streams it creates, 1 to 5 (default 1)", func(c *Config) *string { return &c.StreamReplicas }},
+	{EnvStreamMaxAge, "outcomes older than this `duration` leave the outcomes stream; 0: no age limit; never applies to turns (default 168h)",
+		func(c *Config) *string { return &c.StreamMaxAge }},
+	{EnvStreamMaxBytes, "`size` cap of each stream it creates (bytes, or with KiB, MiB, GiB, TiB; -1: none); a full turns stream\n" +
+		"refuses new events until workers acknowledge, the others drop their oldest (default 1GiB)", func(c *Config) *string { return &c.StreamMaxBytes }},
+	{EnvStreamMaxMsgs, "`count` cap of the turns and outcomes streams it creates, like --stream-max-bytes; -1: none (default 1000000)",
+		func(c *Config) *string { return &c.StreamMaxMsgs }},
+	{EnvStreamDuplicate, "JetStream duplicate window (`duration`) of the streams it creates (default 2m)",
+		func(c *Config) *string { return &c.StreamDuplicates }},
 }
 
 func lookup(envName string) (variable, bool) {
@@ -164,6 +202,11 @@ func lookup(envName string) (variable, bool) {
 		}
 	}
 	return variable{}, false
+}
+
+// aliases are other flag names BindFlags binds to a variable, kept for older command lines.
+var aliases = map[string]string{
+	EnvStreamDuplicate: "dup-window",
 }
 
 // companions are the variables BindFlags binds with a variable: a URL's file, and the NATS
@@ -205,8 +248,9 @@ func FromEnv() (Config, error) {
 // Flags override the environment. Their defaults are not printed by fs.PrintDefaults, so a
 // password from the environment never appears in usage output. BATON_DATABASE_URL brings
 // --database-url-file with it, and BATON_NATS_URL brings --nats-url-file and the NATS login
-// and TLS flags (--nats-creds, --nats-nkey, --nats-ca, --nats-cert, --nats-key). It panics on
-// an unknown variable name, like fs does on a flag defined twice.
+// and TLS flags (--nats-creds, --nats-nkey, --nats-ca, --nats-cert, --nats-key). A variable
+// with an older flag name (aliases: --dup-window for BATON_STREAM_DUPLICATES) gets that flag too.
+// It panics on an unknown variable name, like fs does on a flag defined twice.
 func (c *Config) BindFlags(fs *flag.FlagSet, envNames ...string) {
 	if c.flags == nil {
 		c.flags = map[string]*boundFlag{}
@@ -225,7 +269,10 @@ func (c *Config) BindFlags(fs *flag.FlagSet, envNames ...string) {
 		}
 		b := &boundFlag{name: FlagName(name)}
 		c.flags[name] = b
-		fs.Var(flagValue{p: v.field(c), bound: b}, b.name, v.usage+" [env "+name+"]")
+		fs.Var(flagValue{p: v.field(c), bound: b, name: b.name}, b.name, v.usage+" [env "+name+"]")
+		if alias := aliases[name]; alias != "" {
+			fs.Var(flagValue{p: v.field(c), bound: b, name: alias}, alias, "the older name of --"+b.name)
+		}
 	}
 }
 
@@ -235,13 +282,14 @@ func (c *Config) BindFlags(fs *flag.FlagSet, envNames ...string) {
 type flagValue struct {
 	p     *string
 	bound *boundFlag
+	name  string // the flag's name: the variable's, or an alias
 }
 
 func (f flagValue) String() string { return "" }
 
 func (f flagValue) Set(s string) error {
 	*f.p = s
-	f.bound.set = true
+	f.bound.set, f.bound.used = true, f.name
 	return nil
 }
 
@@ -249,7 +297,7 @@ func (f flagValue) Set(s string) error {
 // bound by BindFlags set it, else the variable's name.
 func (c Config) Source(envName string) string {
 	if b := c.flags[envName]; b != nil && b.set {
-		return "--" + b.name
+		return "--" + b.used
 	}
 	return envName
 }
@@ -357,7 +405,97 @@ func (c Config) Validate() error {
 	if c.LogFormat != LogFormatText && c.LogFormat != LogFormatJSON {
 		bad(EnvLogFormat, "must be %s or %s (got %q)", LogFormatText, LogFormatJSON, c.LogFormat)
 	}
+	errs = append(errs, c.validateStreams()...)
 	return errors.Join(errs...)
+}
+
+// StreamLimits are the stream settings of BATON_STREAM_*, parsed (see Streams).
+type StreamLimits struct {
+	Replicas int
+	// MaxAge is the outcomes' age limit, 0 for none.
+	MaxAge time.Duration
+	// MaxBytes and MaxMsgs are -1 for no cap.
+	MaxBytes, MaxMsgs int64
+	Duplicates        time.Duration
+}
+
+// Streams returns the stream settings, parsed. Call it on a Config that passed Validate; a
+// value that does not parse is returned as its zero.
+func (c Config) Streams() StreamLimits {
+	var l StreamLimits
+	l.Replicas, _ = strconv.Atoi(c.StreamReplicas)
+	l.MaxAge, _ = time.ParseDuration(c.StreamMaxAge)
+	l.MaxBytes, _ = parseSize(c.StreamMaxBytes)
+	l.MaxMsgs, _ = parseCap(c.StreamMaxMsgs)
+	l.Duplicates, _ = time.ParseDuration(c.StreamDuplicates)
+	return l
+}
+
+// validateStreams checks the BATON_STREAM_* values.
+func (c Config) validateStreams() []error {
+	var errs []error
+	bad := func(envName, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s: "+format, append([]any{c.Source(envName)}, args...)...))
+	}
+	if n, err := strconv.Atoi(c.StreamReplicas); err != nil || n < 1 || n > 5 {
+		bad(EnvStreamReplicas, "must be a number from 1 to 5 (got %q)", c.StreamReplicas)
+	}
+	maxAge, err := time.ParseDuration(c.StreamMaxAge)
+	if err != nil || maxAge < 0 {
+		bad(EnvStreamMaxAge, "must be a duration such as 168h or 30m, 0 for no age limit (got %q)", c.StreamMaxAge)
+	}
+	if _, err := parseSize(c.StreamMaxBytes); err != nil {
+		bad(EnvStreamMaxBytes, "%v (got %q)", err, c.StreamMaxBytes)
+	}
+	if _, err := parseCap(c.StreamMaxMsgs); err != nil {
+		bad(EnvStreamMaxMsgs, "%v (got %q)", err, c.StreamMaxMsgs)
+	}
+	switch dup, err := time.ParseDuration(c.StreamDuplicates); {
+	case err != nil || dup <= 0:
+		bad(EnvStreamDuplicate, "must be a positive duration such as 2m (got %q)", c.StreamDuplicates)
+	case maxAge > 0 && dup > maxAge:
+		bad(EnvStreamDuplicate, "%s is longer than %s %s: JetStream refuses a duplicate window longer than the max age",
+			c.StreamDuplicates, c.Source(EnvStreamMaxAge), c.StreamMaxAge)
+	}
+	return errs
+}
+
+// sizeUnits are the suffixes parseSize takes.
+var sizeUnits = []struct {
+	suffix string
+	mult   int64
+}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40}}
+
+// parseSize reads a size in bytes: a positive number, optionally followed by KiB, MiB, GiB
+// or TiB, or -1 for no cap.
+func parseSize(s string) (int64, error) {
+	mult := int64(1)
+	num := s
+	for _, u := range sizeUnits {
+		if n, ok := strings.CutSuffix(s, u.suffix); ok {
+			num, mult = strings.TrimSpace(n), u.mult
+			break
+		}
+	}
+	n, err := strconv.ParseInt(num, 10, 64)
+	switch {
+	case err == nil && n == -1 && mult == 1:
+		return -1, nil
+	case err != nil || n <= 0:
+		return 0, errors.New("must be a positive number of bytes, optionally with KiB, MiB, GiB or TiB (1GiB), or -1 for no cap")
+	case n > math.MaxInt64/mult:
+		return 0, errors.New("is too large")
+	}
+	return n * mult, nil
+}
+
+// parseCap reads a positive count, or -1 for no cap.
+func parseCap(s string) (int64, error) {
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n == 0 || n < -1 {
+		return 0, errors.New("must be a positive number, or -1 for no cap")
+	}
+	return n, nil
 }
 
 // Require reports, naming each variable and its flag where one is bound, the named
@@ -492,17 +630,24 @@ func (c Config) LogValue() slog.Value {
 		slog.String("fatal_linger", c.FatalLinger),
 		slog.String("log_level", c.LogLevel),
 		slog.String("log_format", c.LogFormat),
+		slog.String("stream_replicas", c.StreamReplicas),
+		slog.String("stream_max_age", c.StreamMaxAge),
+		slog.String("stream_max_bytes", c.StreamMaxBytes),
+		slog.String("stream_max_msgs", c.StreamMaxMsgs),
+		slog.String("stream_duplicates", c.StreamDuplicates),
 	)
 }
 
 // String formats the configuration with passwords redacted, for %v, %+v and %s.
 func (c Config) String() string {
-	return fmt.Sprintf("{DatabaseURL:%s DatabaseURLFile:%s NATSURL:%s NATSURLFile:%s NATSCreds:%s NATSNKey:%s NATSCA:%s NATSCert:%s NATSKey:%s SubjectPrefix:%s Slot:%s Publication:%s Schema:%s MetricsAddr:%s PprofAddr:%s FatalLinger:%s LogLevel:%s LogFormat:%s}",
-		Redact(c.DatabaseURL), c.DatabaseURLFile, Redact(c.NATSURL), c.NATSURLFile, c.NATSCreds, c.NATSNKey, c.NATSCA, c.NATSCert, c.NATSKey, c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
+	return fmt.Sprintf("{DatabaseURL:%s DatabaseURLFile:%s NATSURL:%s NATSURLFile:%s NATSCreds:%s NATSNKey:%s NATSCA:%s NATSCert:%s NATSKey:%s SubjectPrefix:%s Slot:%s Publication:%s Schema:%s MetricsAddr:%s PprofAddr:%s FatalLinger:%s LogLevel:%s LogFormat:%s StreamReplicas:%s StreamMaxAge:%s StreamMaxBytes:%s StreamMaxMsgs:%s StreamDuplicates:%s}",
+		Redact(c.DatabaseURL), c.DatabaseURLFile, Redact(c.NATSURL), c.NATSURLFile, c.NATSCreds, c.NATSNKey, c.NATSCA, c.NATSCert, c.NATSKey, c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat,
+		c.StreamReplicas, c.StreamMaxAge, c.StreamMaxBytes, c.StreamMaxMsgs, c.StreamDuplicates)
 }
 
 // GoString formats the configuration with passwords redacted, for %#v.
 func (c Config) GoString() string {
-	return fmt.Sprintf("config.Config{DatabaseURL:%q, DatabaseURLFile:%q, NATSURL:%q, NATSURLFile:%q, NATSCreds:%q, NATSNKey:%q, NATSCA:%q, NATSCert:%q, NATSKey:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, Schema:%q, MetricsAddr:%q, PprofAddr:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q}",
-		Redact(c.DatabaseURL), c.DatabaseURLFile, Redact(c.NATSURL), c.NATSURLFile, c.NATSCreds, c.NATSNKey, c.NATSCA, c.NATSCert, c.NATSKey, c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat)
+	return fmt.Sprintf("config.Config{DatabaseURL:%q, DatabaseURLFile:%q, NATSURL:%q, NATSURLFile:%q, NATSCreds:%q, NATSNKey:%q, NATSCA:%q, NATSCert:%q, NATSKey:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, Schema:%q, MetricsAddr:%q, PprofAddr:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q, StreamReplicas:%q, StreamMaxAge:%q, StreamMaxBytes:%q, StreamMaxMsgs:%q, StreamDuplicates:%q}",
+		Redact(c.DatabaseURL), c.DatabaseURLFile, Redact(c.NATSURL), c.NATSURLFile, c.NATSCreds, c.NATSNKey, c.NATSCA, c.NATSCert, c.NATSKey, c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat,
+		c.StreamReplicas, c.StreamMaxAge, c.StreamMaxBytes, c.StreamMaxMsgs, c.StreamDuplicates)
 }

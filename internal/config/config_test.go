@@ -24,7 +24,8 @@ func clearEnv(t *testing.T) {
 }
 
 func defaults() Config {
-	return Config{SubjectPrefix: "agent", Slot: "baton", Publication: "baton", Schema: "public", FatalLinger: "2m", LogLevel: "info", LogFormat: "text"}
+	return Config{SubjectPrefix: "agent", Slot: "baton", Publication: "baton", Schema: "public", FatalLinger: "2m", LogLevel: "info", LogFormat: "text",
+		StreamReplicas: "1", StreamMaxAge: "168h", StreamMaxBytes: "1GiB", StreamMaxMsgs: "1000000", StreamDuplicates: "2m"}
 }
 
 func TestLoad(t *testing.T) {

@@ -115,14 +115,23 @@ func (l *ledger) retried(ok bool) {
 
 // relayed records a turn event of this run, stored in JetStream at stored. A second event for
 // the same outbox id is a duplicate in the stream.
-func (l *ledger) relayed(outboxID int64, stored time.Time) {
+func (l *ledger) relayed(outboxID int64, stored time.Time) { l.turn(outboxID, stored, true) }
+
+// published records a turn event of this run the relay published at at, as a subscriber of its
+// subject sees it (see watchTurns). A second publish of the same outbox id is a replay, which
+// the stream's duplicate window drops: not a duplicate.
+func (l *ledger) published(outboxID int64, at time.Time) { l.turn(outboxID, at, false) }
+
+func (l *ledger) turn(outboxID int64, stored time.Time, repeatIsDup bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.stored == nil {
 		l.stored = map[int64]time.Time{}
 	}
 	if _, ok := l.stored[outboxID]; ok {
-		l.turnDups++
+		if repeatIsDup {
+			l.turnDups++
+		}
 		return
 	}
 	l.stored[outboxID] = stored

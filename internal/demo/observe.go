@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/batonhq/baton/wire"
@@ -57,17 +58,34 @@ func storedAt(m jetstream.Msg) time.Time {
 	return time.Now()
 }
 
-// onTurn counts a turn event of this run.
-func (d *Demo) onTurn(m jetstream.Msg) {
+// watchTurns follows the turn events the relay publishes on filter with a core NATS
+// subscription. The turns stream is a work queue: its one consumer is the workers', no other
+// may read the same subjects (and an ordered consumer, ack none, is refused there). So the
+// demo sees each publish on its way to the stream, at about the time it is stored; a replay
+// of the relay, which the stream's duplicate window drops, is seen again and not counted.
+func (d *Demo) watchTurns(nc *nats.Conn, filter string) (*nats.Subscription, error) {
+	sub, err := nc.Subscribe(filter, func(m *nats.Msg) { d.onTurn(m.Subject, m.Data, time.Now()) })
+	if err != nil {
+		return nil, fmt.Errorf("subscribe to %s: %w", filter, err)
+	}
+	if err := sub.SetPendingLimits(-1, -1); err != nil { // never drop one: the demo counts them
+		_ = sub.Unsubscribe()
+		return nil, fmt.Errorf("subscribe to %s: %w", filter, err)
+	}
+	return sub, nil
+}
+
+// onTurn counts a turn event of this run, published at at.
+func (d *Demo) onTurn(subject string, data []byte, at time.Time) {
 	var ev wire.TurnEvent
-	if err := json.Unmarshal(m.Data(), &ev); err != nil {
-		d.cfg.Logger.Warn("undecodable turn event", "subject", m.Subject(), "error", err)
+	if err := json.Unmarshal(data, &ev); err != nil {
+		d.cfg.Logger.Warn("undecodable turn event", "subject", subject, "error", err)
 		return
 	}
 	if !strings.HasPrefix(ev.MessageID, d.msgPrefix()) {
 		return // not this run's: another demo, or real traffic on a shared stream
 	}
-	d.ledger.relayed(ev.OutboxID, storedAt(m))
+	d.ledger.published(ev.OutboxID, at)
 }
 
 // onOutcome is the outcome subscriber: like examples/subscriber it dedupes by message id, and

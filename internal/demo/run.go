@@ -65,11 +65,11 @@ func (d *Demo) Run(ctx, abort context.Context, s Services) (*Result, error) {
 		d.printf("interrupted before sending anything\n")
 		return res, nil
 	}
-	turns, err := d.subscribe(abort, js, d.stream, wire.StreamFilter(d.cfg.SubjectPrefix, wire.KindTurns), d.onTurn)
+	turns, err := d.watchTurns(js.Conn(), wire.StreamFilter(d.cfg.SubjectPrefix, wire.KindTurns))
 	if err != nil {
 		return res, err
 	}
-	defer stopConsume(turns, d.stream, d.cfg.Logger)
+	defer func() { _ = turns.Unsubscribe() }()
 	outcomes, err := d.subscribe(abort, js, d.outcomes, wire.StreamFilter(d.cfg.SubjectPrefix, wire.KindOutcomes), d.onOutcome)
 	if err != nil {
 		return res, err
