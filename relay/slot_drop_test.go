@@ -29,11 +29,11 @@ import (
 
 // Load phases: outcomes are told apart by the phase they were committed in, start to end.
 const (
-	phaseBefore int32 = iota // the slot streams
-	phaseGap                 // the slot is going or gone
-	phaseRecovering          // a relay is recreating the slot
-	phaseAfter               // the relay recreated the slot and finished its backfill
-	phaseMixed               // started in one phase, committed in another
+	phaseBefore     int32 = iota // the slot streams
+	phaseGap                     // the slot is going or gone
+	phaseRecovering              // a relay is recreating the slot
+	phaseAfter                   // the relay recreated the slot and finished its backfill
+	phaseMixed                   // started in one phase, committed in another
 )
 
 // slotLoad is a steady load for the slot tests: user messages with their outbox rows, one
