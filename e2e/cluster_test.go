@@ -14,6 +14,7 @@ import (
 
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/migrations"
+	"github.com/batonhq/baton/relay"
 )
 
 // clusterStreams are the relay's streams, all replicated on the three nodes.
@@ -112,9 +113,11 @@ func TestJetStreamCluster(t *testing.T) {
 		t.Fatalf("start %s: %v", leader.Name, err)
 	}
 	t.Logf("started %s", leader.Name)
+	actx, acancel := context.WithTimeout(ctx, 30*time.Second)
+	defer acancel()
 	for _, st := range clusterStreams {
-		if _, err := cl.AwaitStreamReplicas(ctx, js, st); err != nil {
-			t.Fatalf("after the restarts: %v", err)
+		if _, err := cl.AwaitStreamReplicas(actx, js, st); err != nil {
+			t.Fatalf("after the restarts: %v\n%s", err, s.logs(30))
 		}
 	}
 	progress("after every node is back", 40, 30*time.Second)
@@ -204,8 +207,8 @@ func startClusterSystem(t *testing.T, ctx context.Context) (*system, *testsvc.Cl
 		})
 		return p
 	}
-	relay := add("relay", "relay", bins[0], []string{"relay"}, true)
-	relay.env = append(relay.env, "BATON_FATAL_LINGER=0", "BATON_STREAM_REPLICAS=3")
+	rp := add("relay", "relay", bins[0], []string{"relay"}, true)
+	rp.env = append(rp.env, "BATON_FATAL_LINGER=0", "BATON_STREAM_REPLICAS=3")
 	for i := range 2 {
 		add(fmt.Sprintf("worker-%d", i), "worker", bins[1], []string{"--source", "jetstream", "--model-latency", "20ms",
 			"--lease", workerLease.String(), "--recovery-interval", "1s", "--ack-wait", "5s",
@@ -214,10 +217,15 @@ func startClusterSystem(t *testing.T, ctx context.Context) (*system, *testsvc.Cl
 	sub := add("subscriber", "subscriber", bins[2], []string{"--json", "--durable", "cluster"}, false)
 	sub.stdoutLine = s.outcomes.add
 
-	relay.start(t)
+	// The streams, created R3 by a relay in this process with the settings the relay uses
+	// (relay.StreamSettings.Replicas), before the relay process starts on the slot it leaves.
+	// The process is given BATON_STREAM_REPLICAS=3 too: a relay that creates its streams from
+	// that variable finds them as it would have made them.
+	precreateStreams(t, ctx, pg.URL("postgres"), nc)
+	rp.start(t)
 	deadline := time.Now().Add(time.Minute)
 	for {
-		if v, err := relay.metric(ctx, "baton_relay_active"); err == nil && v == 1 {
+		if v, err := rp.metric(ctx, "baton_relay_active"); err == nil && v == 1 {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -236,14 +244,8 @@ func startClusterSystem(t *testing.T, ctx context.Context) (*system, *testsvc.Cl
 		if err != nil {
 			t.Fatalf("stream %s: %v", name, err)
 		}
-		if cfg := st.CachedInfo().Config; cfg.Replicas != 3 {
-			// A relay built before BATON_STREAM_REPLICAS (issue 14) creates R1 streams; JetStream
-			// scales a stream up in place. Remove once every relay this test builds honours it.
-			t.Logf("stream %s has %d replicas: the relay ignored BATON_STREAM_REPLICAS=3; scaling it to 3", name, cfg.Replicas)
-			cfg.Replicas = 3
-			if _, err := js.UpdateStream(rctx, cfg); err != nil {
-				t.Fatalf("scale %s: %v", name, err)
-			}
+		if r := st.CachedInfo().Config.Replicas; r != 3 {
+			t.Fatalf("stream %s has %d replicas, want 3", name, r)
 		}
 		if _, err := cl.AwaitStreamReplicas(rctx, js, name); err != nil {
 			t.Fatalf("stream %s: %v", name, err)
@@ -255,6 +257,31 @@ func startClusterSystem(t *testing.T, ctx context.Context) (*system, *testsvc.Cl
 		}
 	}
 	return s, cl
+}
+
+// precreateStreams runs a relay in this process with relay.StreamSettings{Replicas: 3} until it
+// streams: it creates the streams R3 and the slot, which the relay process then takes over.
+func precreateStreams(t *testing.T, ctx context.Context, databaseURL string, nc *nats.Conn) {
+	t.Helper()
+	r, err := relay.New(relay.Config{DatabaseURL: databaseURL, NATS: nc, Streams: relay.StreamSettings{Replicas: 3}})
+	if err != nil {
+		t.Fatalf("relay: %v", err)
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	deadline := time.Now().Add(time.Minute)
+	for !r.Active() {
+		if time.Now().After(deadline) {
+			cancel()
+			t.Fatalf("the in-process relay does not stream after a minute: %v", <-done)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("in-process relay: %v", err)
+	}
 }
 
 // doneRows counts the requests that ended (done or error); -1 when Postgres cannot say.
