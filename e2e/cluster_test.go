@@ -27,7 +27,10 @@ var clusterStreams = []string{"AGENT_TURNS", "AGENT_OUTCOMES", "AGENT_DEADLETTER
 // nothing is lost or doubled, each conversation's outcomes come in commit order, and the slot
 // caught up.
 func TestJetStreamCluster(t *testing.T) {
-	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	// The programs first (cached by the other tests of the package): the run itself is bounded.
+	testsvc.Binaries(t, "github.com/batonhq/baton/cmd/baton", "github.com/batonhq/baton/examples/echoagent",
+		"github.com/batonhq/baton/examples/subscriber")
+	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
 	defer cancel()
 	began := time.Now()
 	s, cl := startClusterSystem(t, ctx)
