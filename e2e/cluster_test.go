@@ -47,14 +47,25 @@ func TestJetStreamCluster(t *testing.T) {
 			l.finish()
 		}
 	}()
-	// progress waits until at least n more requests are done than when it was called.
+	// progress waits until at least n more requests are done than when it was called, and the
+	// relay had n more turn events acknowledged by JetStream: the workers' sweep of Postgres
+	// would finish requests without the stream, so done rows alone do not show that it works.
+	rp := s.named["relay"]
+	turnsAcked := func() float64 {
+		v, err := rp.metric(ctx, `baton_relay_events_total{kind="turn"}`)
+		if err != nil {
+			return -1
+		}
+		return v
+	}
 	progress := func(what string, n int, within time.Duration) {
 		t.Helper()
-		from := s.doneRows(ctx)
+		from, fromAcked := s.doneRows(ctx), turnsAcked()
 		deadline := time.Now().Add(within)
-		for s.doneRows(ctx) < from+n {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: fewer than %d requests done within %v (from %d)\n%s", what, n, within, from, s.logs(30))
+		for s.doneRows(ctx) < from+n || turnsAcked() < fromAcked+float64(n) {
+			if time.Now().After(deadline) || ctx.Err() != nil {
+				t.Fatalf("%s: fewer than %d requests done and turn events acknowledged within %v (from %d done, %.0f acknowledged; now %d, %.0f)\n%s",
+					what, n, within, from, fromAcked, s.doneRows(ctx), turnsAcked(), s.logs(30))
 			}
 			time.Sleep(100 * time.Millisecond)
 		}

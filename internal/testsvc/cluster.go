@@ -171,17 +171,19 @@ func (c *Cluster) StreamLeader(ctx context.Context, js jetstream.JetStream, stre
 	return n, nil
 }
 
-// AwaitStreamReplicas waits until the stream has a leader and every other replica is current,
-// or ctx ends. It returns the leader.
+// AwaitStreamReplicas waits until the stream has a leader and every other replica it is
+// configured with is there and current, or ctx ends. It returns the leader.
 func (c *Cluster) AwaitStreamReplicas(ctx context.Context, js jetstream.JetStream, stream string) (*ClusterNode, error) {
 	for {
-		leader, err := c.StreamLeader(ctx, js, stream)
+		// Each look-up bounded: a request a server lost in an election is never answered.
+		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		leader, err := c.StreamLeader(actx, js, stream)
 		if err == nil {
-			st, serr := js.Stream(ctx, stream)
+			st, serr := js.Stream(actx, stream)
 			if serr != nil {
 				err = serr
-			} else if cl := st.CachedInfo().Cluster; len(cl.Replicas) < len(c.Nodes)-1 {
-				err = fmt.Errorf("stream %s has %d replicas besides its leader", stream, len(cl.Replicas))
+			} else if cl, want := st.CachedInfo().Cluster, st.CachedInfo().Config.Replicas; len(cl.Replicas) < want-1 {
+				err = fmt.Errorf("stream %s has %d of its %d replicas besides its leader", stream, len(cl.Replicas), want-1)
 			} else {
 				for _, r := range cl.Replicas {
 					if !r.Current || r.Offline {
@@ -190,9 +192,10 @@ func (c *Cluster) AwaitStreamReplicas(ctx context.Context, js jetstream.JetStrea
 					}
 				}
 			}
-			if err == nil {
-				return leader, nil
-			}
+		}
+		cancel()
+		if err == nil {
+			return leader, nil
 		}
 		select {
 		case <-ctx.Done():

@@ -38,7 +38,10 @@ func TestClusterSurvivesTheLossOfTheStreamLeader(t *testing.T) {
 		for i := from; i < to; i++ {
 			// Retried through the election: the same Msg-Id is stored once.
 			require.Eventually(t, func() bool {
-				_, err := js.Publish(ctx, "r3.x", fmt.Appendf(nil, "%d", i), jetstream.WithMsgID(fmt.Sprint(i)))
+				// A request the server lost in the election is never answered: each try is bounded.
+				pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+				defer cancel()
+				_, err := js.Publish(pctx, "r3.x", fmt.Appendf(nil, "%d", i), jetstream.WithMsgID(fmt.Sprint(i)))
 				return err == nil
 			}, 30*time.Second, 50*time.Millisecond, "publish %d", i)
 		}
