@@ -54,4 +54,17 @@
 // write, overlapping runs, a row left processing, an outcome printed twice or out of order,
 // a dead-letter record, a leaked connection, a process that died) and requires the checks to
 // report each: a check that cannot fail would let a chaos run pass whatever Baton did.
+//
+// # The JetStream cluster run
+//
+//	go test ./e2e -run JetStreamCluster -v            # about 20 seconds
+//
+// TestJetStreamCluster runs Baton on a 3-node JetStream cluster in the test process
+// (internal/testsvc.StartCluster, sync_interval: always) with streams of 3 replicas: one relay,
+// two echoagent workers and the subscriber, each given all three URLs, and the chaos run's
+// producers. It stops the turns stream's leader, then a second node (no quorum: it checks the
+// relay confirms nothing past a message committed meanwhile), then starts both again, and
+// runs the chaos run's checks. It ends with one line:
+//
+//	cluster: faults=2 (stopped the turns leader baton-n0, then baton-n1: quorum lost; both restarted) messages=600 replies=600 lost=0 doubled=0 in 22s
 package e2e

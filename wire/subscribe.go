@@ -191,7 +191,8 @@ func NewOutcomeSubscriber(cfg OutcomeSubscriberConfig) (*OutcomeSubscriber, erro
 // with the filter, AckWait and start position of the configuration. An existing durable is
 // used as it is and keeps its position; Run fails if its filter is not this subscriber's.
 // Run returns an error when it cannot set up the consumer or the consumer ends (deleted, the
-// connection closed).
+// connection closed). A missed heartbeat (a leader election in a JetStream cluster, a server
+// gone) is logged and ridden through.
 func (s *OutcomeSubscriber) Run(ctx context.Context) error {
 	js, err := jetstream.New(s.cfg.NATS)
 	if err != nil {
@@ -213,6 +214,13 @@ func (s *OutcomeSubscriber) Run(ctx context.Context) error {
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
+			}
+			if errors.Is(err, jetstream.ErrNoHeartbeat) {
+				// The consumer's server went quiet: a JetStream leader election, or the server
+				// this connection was on went away. The iterator stays usable and pulls again;
+				// outcomes resume once the consumer has a leader.
+				s.log.Warn("no heartbeat from the outcomes consumer; pulling again", "error", err)
+				continue
 			}
 			return fmt.Errorf("outcome subscriber: consume %s: %w", s.cfg.Durable, err)
 		}

@@ -17,13 +17,14 @@ const statusSummary = "show the slot, outbox, streams and schema; exit 1 when so
 func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("status", `Status reports what an operator needs to know about a running Baton: the relay's replication
 slot (active, wal_status, retained WAL, confirmed LSN and lag), outbox rows by status with
-the age of the oldest pending row and the oldest claim, the turns and outcomes streams and the
-workers' durable consumer (skipped without a NATS URL), and the schema version.
+the age of the oldest pending row and the oldest claim, the turns and outcomes streams (with
+each one's replica count, leader and other replicas) and the workers' durable consumer
+(skipped without a NATS URL), and the schema version.
 
 It prints the report, then an "attention:" list, and exits 1 when that list is not empty: the
 slot is missing or lost, the oldest pending request is older than --stale-after, a lease
-expired longer ago than that with no worker recovering it, NATS or a stream is missing, or a
-part could not be read. An inactive slot (no relay streaming) is a warning only: pending work
+expired longer ago than that with no worker recovering it, NATS or a stream is missing, a
+stream has no leader (no quorum of its replicas), or a part could not be read. An inactive slot (no relay streaming) is a warning only: pending work
 going stale is what pages.
 
 --json prints the same report as JSON with stable field names: generated_at, database,
@@ -31,7 +32,8 @@ stale_after_seconds, ok, attention, warnings, slot {name, exists, active, active
 retained_wal_bytes, lag_bytes, safe_wal_size_bytes}, outbox {by_status {pending, processing,
 done, error}, oldest_pending_at, oldest_pending_age_seconds, oldest_processing_at,
 oldest_processing_age_seconds, expired_leases, expired_lease_age_seconds}, streams {checked,
-note, url, turns and outcomes {name, exists, messages, bytes, first_seq, last_seq, last_time},
+note, url, turns and outcomes {name, exists, messages, bytes, first_seq, last_seq, last_time,
+cluster {replicas, cluster, leader, peers [{name, current, offline, active_seconds, lag}]}},
 consumer {name, stream, exists, num_pending, num_ack_pending, num_redelivered, num_waiting}},
 schema {version, binary_version}, shards (null without shard publications) {publication,
 count, missing, slots and stray: [slot objects as above]}. Sizes are bytes, ages seconds; a

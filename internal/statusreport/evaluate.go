@@ -11,7 +11,7 @@ import (
 // Attention (exit 1): a section that could not be read; a missing, lost or about-to-be-lost
 // slot, or one of another database or plugin; the oldest pending request older than
 // StaleAfter; a lease expired for longer than StaleAfter (no worker recovers it); NATS
-// unreachable; a missing stream; no schema.
+// unreachable; a missing stream or one without a leader; no schema.
 //
 // With shards (shard publications exist), each shard's slot is judged like the main slot,
 // the main slot may be missing, a missing shard publication needs attention and a slot of a
@@ -19,7 +19,8 @@ import (
 //
 // Warnings: no relay streaming (slot inactive: a relay between sessions or failing over is
 // briefly inactive, so this alone does not page; pending work going stale does); WAL retained
-// past max_wal_size; no workers' consumer yet; a schema older or newer than this binary.
+// past max_wal_size; no workers' consumer yet; a stream replica offline or behind, or a
+// clustered stream of one replica; a schema older or newer than this binary.
 func (r *Report) Evaluate() {
 	r.Attention, r.Warnings = []string{}, []string{}
 	attn := func(format string, args ...any) { r.Attention = append(r.Attention, fmt.Sprintf(format, args...)) }
@@ -60,6 +61,7 @@ func (r *Report) Evaluate() {
 				attn("stream %s does not exist: the relay creates it when it starts (check --subject-prefix)", s.Name)
 			}
 		}
+		r.evaluateStreamClusters(attn, warn)
 		if c := st.Consumer; c != nil && st.Turns != nil && st.Turns.Exists {
 			switch {
 			case c.Error != "":

@@ -199,7 +199,14 @@ func GatherStreams(ctx context.Context, js jetstream.JetStream, url string, opts
 	return s
 }
 
+// StreamReadTimeout bounds each JetStream API request of GatherStreams. On a cluster, a
+// request that reached a server as it went away, or a stream's leader during an election, is
+// never answered: it fails after this instead of taking the whole report's time.
+const StreamReadTimeout = 5 * time.Second
+
 func readStream(ctx context.Context, js jetstream.JetStream, name string) *Stream {
+	ctx, cancel := context.WithTimeout(ctx, StreamReadTimeout)
+	defer cancel()
 	st := &Stream{Name: name}
 	stream, err := js.Stream(ctx, name)
 	switch {
@@ -213,6 +220,7 @@ func readStream(ctx context.Context, js jetstream.JetStream, name string) *Strea
 	state := stream.CachedInfo().State
 	st.Messages, st.Bytes = state.Msgs, state.Bytes
 	st.FirstSeq, st.LastSeq, st.Consumers = state.FirstSeq, state.LastSeq, state.Consumers
+	st.Cluster = streamCluster(stream.CachedInfo())
 	if !state.LastTime.IsZero() && state.Msgs > 0 {
 		t := state.LastTime.UTC()
 		st.LastTime = &t
@@ -221,6 +229,8 @@ func readStream(ctx context.Context, js jetstream.JetStream, name string) *Strea
 }
 
 func readConsumer(ctx context.Context, js jetstream.JetStream, stream, durable string) *Consumer {
+	ctx, cancel := context.WithTimeout(ctx, StreamReadTimeout)
+	defer cancel()
 	c := &Consumer{Name: durable, Stream: stream}
 	cons, err := js.Consumer(ctx, stream, durable)
 	switch {

@@ -110,6 +110,7 @@ func WriteText(w io.Writer, r *Report) error {
 				p("  %s\t%d\t%s\t%d\t%d\t%s", s.Name, s.Messages, fmtUBytes(s.Bytes), s.FirstSeq, s.LastSeq, last)
 			}
 		}
+		writeStreamClusters(p, st)
 		if c := st.Consumer; c != nil {
 			p("")
 			p("  CONSUMER\tSTREAM\tPENDING\tACK PENDING\tREDELIVERED\tWAITING")

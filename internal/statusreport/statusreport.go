@@ -184,8 +184,11 @@ type Stream struct {
 	LastSeq  uint64     `json:"last_seq"`
 	LastTime *time.Time `json:"last_time"`
 	// Consumers counts the stream's consumers.
-	Consumers int    `json:"consumers"`
-	Error     string `json:"error,omitempty"`
+	Consumers int `json:"consumers"`
+	// Cluster is the stream's replica count, leader and other replicas; null when the stream
+	// does not exist or could not be read.
+	Cluster *StreamCluster `json:"cluster"`
+	Error   string         `json:"error,omitempty"`
 }
 
 // Consumer is the workers' durable consumer on the turns stream.
