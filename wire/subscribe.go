@@ -118,8 +118,11 @@ type OutcomeHandler func(ctx context.Context, o Outcome) error
 //     with ConversationID set, another conversation's) can never be handled: it is logged at
 //     error level and terminated, so it is not delivered again.
 //   - Handler is called for one outcome at a time, in the order JetStream delivers them:
-//     stream order, except that an outcome delivered again comes after those delivered
-//     meanwhile.
+//     stream order, except that an outcome whose Handler failed comes again after those
+//     delivered meanwhile. Deliveries lost with a dropped connection do not get overtaken:
+//     the subscriber notices the gap in the consumer's delivery numbers, pulls nothing for
+//     AckWait, and JetStream then delivers the lost ones first (one process per Durable;
+//     processes sharing one split the outcomes and their order between them).
 //
 // Delivered messages wait in a client-side buffer (nats.go's default size) before Handler
 // sees them, and their AckWait runs there: with a slow Handler some are delivered again and
@@ -206,11 +209,33 @@ func (s *OutcomeSubscriber) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("outcome subscriber: consume %s: %w", s.cfg.Durable, err)
 	}
-	defer it.Stop()
+	defer func() { it.Stop() }()
 	s.log.Info("subscribed to outcomes", "filter", s.filter)
 	seen := newRecent(s.cfg.DedupeWindow)
+	var gaps deliveryGaps
 	for {
 		msg, err := it.Next(jetstream.NextContext(ctx))
+		if err == nil && gaps.lost(msg, s.cfg.NATS.Stats().Reconnects) {
+			// Deliveries were lost with a dropped connection. JetStream delivers them again
+			// only once their AckWait ran out; the outcomes stored after them, this one
+			// included, must not overtake them. Leave this one and those buffered unacked,
+			// pull nothing until every delivery to this process timed out, then pull again:
+			// JetStream redelivers timed-out messages before new ones, in stream order.
+			it.Stop()
+			wait := cons.CachedInfo().Config.AckWait
+			wait += max(wait/10, 200*time.Millisecond)
+			s.log.Warn("deliveries lost with the connection; waiting for their redelivery so that no outcome overtakes them",
+				"wait", wait.String())
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(wait):
+			}
+			if it, err = cons.Messages(); err != nil {
+				return fmt.Errorf("outcome subscriber: consume %s: %w", s.cfg.Durable, err)
+			}
+			continue
+		}
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -226,6 +251,31 @@ func (s *OutcomeSubscriber) Run(ctx context.Context) error {
 		}
 		s.handle(ctx, msg, seen)
 	}
+}
+
+// deliveryGaps notices deliveries lost in transit. The consumer numbers its deliveries (the
+// consumer sequence, redeliveries included), so one process holding the durable receives them
+// without gaps unless some were lost with a dropped connection: JetStream counts them as made.
+// Processes sharing the durable see gaps as they share the deliveries; only a gap across a
+// reconnect of this process's connection counts.
+type deliveryGaps struct {
+	next       uint64 // the consumer sequence expected next; 0: unknown
+	reconnects uint64 // the connection's reconnects when the last delivery arrived
+}
+
+// lost reports whether deliveries were lost before msg, which arrived when the connection had
+// reconnected reconnects times. After true the count starts again with the next delivery.
+func (g *deliveryGaps) lost(msg jetstream.Msg, reconnects uint64) bool {
+	md, err := msg.Metadata()
+	if err != nil {
+		return false // handle says what is wrong with it
+	}
+	gap := g.next != 0 && md.Sequence.Consumer > g.next && reconnects != g.reconnects
+	g.next, g.reconnects = md.Sequence.Consumer+1, reconnects
+	if gap {
+		g.next = 0
+	}
+	return gap
 }
 
 // durable returns the durable consumer, creating it when it does not exist. It waits for the
