@@ -57,8 +57,12 @@ func runAWhile(t *testing.T, b *bundle, d time.Duration) {
 //
 // Fails on 0d66058: baton_relay_publish_switches_total{to="events"} > 0 while fewer than half
 // of the backlog's events are stored.
+//
+// Not parallel: beside the package's other tests (their WAL in the same cluster, their load)
+// the walsender sometimes sends a keepalive that is no answer mid-backlog, and the pipeline
+// rightly leaves batches on it: the full suite failed 1 run in 2 that way (left at 3,572 of
+// 30,000), alone it passed 10 of 10. Which walsender path sends it is not pinned down.
 func TestAdvModeStatusReplyEndsBatchesMidCatchUp(t *testing.T) {
-	t.Parallel()
 	b := setup(t)
 	ctx := ctxT(t, 3*time.Minute)
 	createConversations(t, b.db.Pool, "hot")
