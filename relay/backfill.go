@@ -122,20 +122,43 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 	if err != nil {
 		return fmt.Errorf("backfill: %w", err)
 	}
-	if err := r.bounded(ctx, func(ctx context.Context) error {
-		_, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
-		VALUES ($1, $2, $3, true) ON CONFLICT (slot_name) DO UPDATE
-		SET consistent_point = excluded.consistent_point, backfill_rows = excluded.backfill_rows, backfill_done = true`,
-			cfg.Slot, created.ConsistentPoint, n)
+	if err := r.backfillDone(ctx, conn, created.ConsistentPoint, n); err != nil {
 		return err
-	}); err != nil {
-		return fmt.Errorf("record backfill of slot %s: %w", cfg.Slot, err)
 	}
 	cfg.Logger.Info("created slot and backfilled unfinished rows", "slot", cfg.Slot, "lsn", point, "rows", n)
 	return nil
 }
 
-// backfill publishes, from snapshot, every unfinished outbox row (see backfillPage) through a
+// backfillAgain finishes the first start of a slot whose backfill did not finish (see
+// decideSlot): it publishes every unfinished outbox row from a snapshot taken now and keeps
+// the slot, which holds every change since its consistent point.
+func (r *Relay) backfillAgain(ctx context.Context, conn *pgx.Conn, consistentPoint string) error {
+	n, err := r.backfill(ctx, conn, "")
+	if err != nil {
+		return fmt.Errorf("backfill: %w", err)
+	}
+	if err := r.backfillDone(ctx, conn, consistentPoint, n); err != nil {
+		return err
+	}
+	r.cfg.Logger.Info("backfilled unfinished rows", "slot", r.cfg.Slot, "lsn", consistentPoint, "rows", n)
+	return nil
+}
+
+// backfillDone records that the first-start backfill of the slot finished with rows rows.
+func (r *Relay) backfillDone(ctx context.Context, conn *pgx.Conn, consistentPoint string, rows int64) error {
+	if err := r.bounded(ctx, func(ctx context.Context) error {
+		_, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
+		VALUES ($1, $2, $3, true) ON CONFLICT (slot_name) DO UPDATE
+		SET consistent_point = excluded.consistent_point, backfill_rows = excluded.backfill_rows, backfill_done = true`,
+			r.cfg.Slot, consistentPoint, rows)
+		return err
+	}); err != nil {
+		return fmt.Errorf("record backfill of slot %s: %w", r.cfg.Slot, err)
+	}
+	return nil
+}
+
+// backfill publishes, from snapshot ("": the transaction's own), every unfinished outbox row (see backfillPage) through a
 // pipeline of its own whose synthetic transaction never closes, so it confirms no LSN, and
 // returns how many rows it read.
 func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (int64, error) {
@@ -160,6 +183,9 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 			_ = tx.Rollback(ctx)
 		}()
 		if err := r.bounded(gctx, func(ctx context.Context) error {
+			if snapshot == "" {
+				return nil // the transaction's own, taken at its first query
+			}
 			_, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT "+quoteLiteral(snapshot))
 			return err
 		}); err != nil {

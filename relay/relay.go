@@ -385,12 +385,20 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		return err
 	}
 	switch action {
-	case slotRecreate:
-		if slot.recorded {
-			log.Warn("slot has no finished backfill; recreating it", "slot", cfg.Slot)
-		} else {
-			log.Warn("dropping a slot Baton did not create, as RecreateSlot allows", "slot", cfg.Slot, "plugin", slot.plugin)
+	case slotBackfill:
+		log.Warn("slot has no finished backfill; backfilling again from a snapshot taken now, keeping the slot",
+			"slot", cfg.Slot, "consistent_point", slot.confirmed)
+		lsn, err := pglogrepl.ParseLSN(slot.confirmed)
+		if err != nil {
+			return fmt.Errorf("slot %s confirmed_flush_lsn %q: %w", cfg.Slot, slot.confirmed, err)
 		}
+		r.confirmed.Store(uint64(lsn))
+		r.m.confirmedLSN.Set(float64(lsn))
+		if err := r.backfillAgain(ctx, conn, slot.confirmed); err != nil {
+			return err
+		}
+	case slotRecreate:
+		log.Warn("dropping a slot Baton did not create, as RecreateSlot allows", "slot", cfg.Slot, "plugin", slot.plugin)
 		if err := r.bounded(ctx, func(ctx context.Context) error {
 			return pglogrepl.DropReplicationSlot(ctx, repl, cfg.Slot, pglogrepl.DropReplicationSlotOptions{})
 		}); err != nil {

@@ -348,6 +348,7 @@ const (
 	slotStream   slotAction = iota // stream from it
 	slotCreate                     // create it and backfill
 	slotRecreate                   // drop it, then create it and backfill
+	slotBackfill                   // keep it, backfill from a snapshot taken now, then stream from it
 )
 
 // decideSlot applies the slot rules to what readSlot found:
@@ -356,9 +357,14 @@ const (
 //   - A slot of another database is never touched (ErrSetup).
 //   - Baton's slot (a baton_relay_slots row, plugin pgoutput) whose backfill finished: stream.
 //   - Baton's slot whose backfill did not finish, left by a relay that died during its first
-//     start: recreate it. Nothing was streamed from it, so a new slot and a new backfill skip
-//     nothing; the row is written before the slot is created, so a kill at any point of the
-//     first start leaves a slot that is recognised as Baton's.
+//     start or a session that failed in it (a full turns stream, NATS away): keep it and
+//     backfill again from a snapshot taken now. Nothing was confirmed from the slot, so it
+//     still holds every change since its consistent point, replies included, which a new slot
+//     would not; a row unfinished at that point and still unfinished now is in the new
+//     snapshot, one finished meanwhile is owed nothing, and one committed after the point is
+//     in both (the second copy is dropped by its Nats-Msg-Id or by the workers). The row is
+//     written before the slot is created, so a kill at any point of the first start leaves a
+//     slot that is recognised as Baton's.
 //   - Any other slot (no row, or another plugin) belongs to someone else, an operator or
 //     another tool: refused with ErrSetup and left as it is, unless recreate allows dropping it.
 func decideSlot(s slotInfo, name string, recreate bool) (slotAction, error) {
@@ -377,7 +383,7 @@ func decideSlot(s slotInfo, name string, recreate bool) (slotAction, error) {
 		if s.backfillDone {
 			return slotStream, nil
 		}
-		return slotRecreate, nil
+		return slotBackfill, nil
 	}
 	if recreate {
 		return slotRecreate, nil

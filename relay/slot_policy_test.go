@@ -24,7 +24,7 @@ func TestDecideSlot(t *testing.T) {
 		{name: "no slot, stale row", slot: slotInfo{recorded: true, backfillDone: true}, want: slotCreate},
 		{name: "baton's, backfill done", slot: baton, want: slotStream},
 		{name: "baton's, backfill done, recreate set", slot: baton, recreate: true, want: slotStream},
-		{name: "baton's, backfill unfinished", slot: with(func(s *slotInfo) { s.backfillDone = false }), want: slotRecreate},
+		{name: "baton's, backfill unfinished", slot: with(func(s *slotInfo) { s.backfillDone = false }), want: slotBackfill},
 		{name: "no row", slot: with(func(s *slotInfo) { s.recorded, s.backfillDone = false, false }),
 			err: ErrSetup, says: "no row in baton_relay_slots"},
 		{name: "no row, recreate", slot: with(func(s *slotInfo) { s.recorded, s.backfillDone = false, false }),
