@@ -265,6 +265,10 @@ func compatible(have, want jetstream.StreamConfig, maxPayload int64) error {
 	if turns && have.MaxAge > 0 {
 		bad = append(bad, fmt.Sprintf("max_age %s (want none: an age limit would drop unfinished turn events)", have.MaxAge))
 	}
+	if turns && have.MaxMsgsPerSubject > 0 {
+		bad = append(bad, fmt.Sprintf("max_msgs_per_subject %d (want -1: a conversation's newer turn event would drop its "+
+			"older unfinished one, or with discard_new_per_subject one busy conversation would stall the relay)", have.MaxMsgsPerSubject))
+	}
 	if have.Duplicates < want.Duplicates {
 		bad = append(bad, fmt.Sprintf("duplicate window %s (want at least %s)", have.Duplicates, want.Duplicates))
 	}

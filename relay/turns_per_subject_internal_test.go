@@ -13,7 +13,7 @@ import (
 // An operator's max_msgs_per_subject (turn subjects are per conversation) with discard new but
 // not discard-new-per-subject drops the conversation's older unfinished event, like the age
 // limit compatible refuses.
-func TestAttackAcceptedTurnsStreamDropsUnfinishedEvents(t *testing.T) {
+func TestTurnsStreamWithPerSubjectLimitIsRefused(t *testing.T) {
 	t.Parallel()
 	nc := connectNATS(t)
 	cfg := Config{DatabaseURL: "x", NATS: nc}
