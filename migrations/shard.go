@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"regexp"
 	"strconv"
 	"strings"
 
@@ -26,16 +27,17 @@ func ShardName(base string, k int) string { return base + "_" + strconv.Itoa(k) 
 // ShardPredicate is the SQL condition, on an agent_outbox or messages row, that puts the
 // row's conversation in shard k of n:
 //
-//	(hashtextextended(conversation_id, 0) & 9223372036854775807) % n = k
+//	(((hashtextextended(conversation_id, 0) & 9223372036854775807) % n) = k)
 //
 // hashtextextended is immutable and built in (so a publication's row filter may use it), and
 // masking off the sign bit keeps the value non-negative without abs(), which raises on the
 // smallest bigint: nothing any row holds can make the expression fail inside the walsender.
 // Every conversation id matches exactly one k in 0…n−1, so all of a conversation's rows, in
-// both tables, travel through one shard, in commit order. n and k are written as literals:
-// callers pass checked integers (see CheckShard).
+// both tables, travel through one shard, in commit order. It is written with every operation
+// in parentheses, as PostgreSQL prints a row filter back (see SameFilter). n and k are
+// written as literals: callers pass checked integers (see CheckShard).
 func ShardPredicate(n, k int) string {
-	return fmt.Sprintf("(hashtextextended(conversation_id, 0) & 9223372036854775807) %% %d = %d", n, k)
+	return fmt.Sprintf("(((hashtextextended(conversation_id, 0) & 9223372036854775807) %% %d) = %d)", n, k)
 }
 
 // ShardFilters returns, by table name, the row filter of shard k of n's publication: the
@@ -44,30 +46,43 @@ func ShardPredicate(n, k int) string {
 func ShardFilters(n, k int) map[string]string {
 	return map[string]string{
 		"agent_outbox": ShardPredicate(n, k),
-		"messages":     "(role <> 'user') AND (" + ShardPredicate(n, k) + ")",
+		"messages":     "((role <> 'user') AND " + ShardPredicate(n, k) + ")",
 	}
 }
 
 // SameFilter reports whether rowfilter, a row filter as pg_publication_tables.rowfilter shows
-// it (Postgres re-prints the expression with casts, quotes and parentheses of its own), is
-// the filter want as ShardFilters writes it. Both are compared without parentheses, quotes,
-// casts to integer types and spaces: what is left still tells every n and k apart.
+// it, is the filter want as ShardFilters writes it. PostgreSQL prints an expression back with
+// casts, quoted constants and parentheses around single values of its own ("(0)::bigint",
+// "'9223372036854775807'::bigint"), and with every operation in parentheses, as ShardFilters
+// writes it. Both are compared without spaces, those casts, quotes and parentheses around a
+// single value: the grouping of the operations is kept, so a filter regrouped by hand is
+// another filter.
 func SameFilter(rowfilter, want string) bool {
 	return normalizeFilter(rowfilter) == normalizeFilter(want)
 }
+
+// atomInParens is a single value in parentheses, not a function's argument list.
+var atomInParens = regexp.MustCompile(`(^|[^A-Za-z0-9_])\(([A-Za-z0-9_]+)\)`)
 
 func normalizeFilter(s string) string {
 	s = strings.ToLower(s)
 	for _, cast := range []string{"::bigint", "::integer", "::smallint", "::text"} {
 		s = strings.ReplaceAll(s, cast, "")
 	}
-	return strings.Map(func(r rune) rune {
+	s = strings.Map(func(r rune) rune {
 		switch r {
-		case '(', ')', '\'', '"', ' ', '\t', '\n':
+		case '\'', '"', ' ', '\t', '\n':
 			return -1
 		}
 		return r
 	}, s)
+	for {
+		t := atomInParens.ReplaceAllString(s, "$1$2")
+		if t == s {
+			return s
+		}
+		s = t
+	}
 }
 
 // CheckShard returns an error (ErrShards) unless 0 ≤ k < n ≤ MaxShards.
@@ -201,24 +216,27 @@ func EnsureShards(ctx context.Context, db Beginner, o ShardOptions, n int) (Shar
 		return res, fmt.Errorf("shards: take advisory lock: %w", err)
 	}
 	// Every publication named <publication>_<digits>, with its tables' row filters.
+	// Every publication named <publication>_<digits>, with its tables (of any schema) and
+	// their row filters.
 	rows, err := tx.Query(ctx, `SELECT p.pubname::text, substr(p.pubname, length($1) + 2)::int,
-			coalesce(t.tablename::text, ''), coalesce(t.rowfilter, '')
+			coalesce(t.schemaname::text, ''), coalesce(t.tablename::text, ''), coalesce(t.rowfilter, '')
 		FROM pg_publication p
-		LEFT JOIN pg_publication_tables t ON t.pubname = p.pubname AND t.schemaname = $2
+		LEFT JOIN pg_publication_tables t ON t.pubname = p.pubname
 		WHERE left(p.pubname, length($1) + 1) = $1 || '_' AND substr(p.pubname, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'`,
-		o.Publication, o.Schema)
+		o.Publication)
 	if err != nil {
 		return res, fmt.Errorf("shards: read publications: %w", err)
 	}
 	type pub struct {
 		name    string
-		filters map[string]string
+		filters map[string]string // this schema's agent_outbox and messages
+		others  []string          // any other table: not a shard publication of this installation
 	}
 	have := map[int]*pub{}
 	for rows.Next() {
-		var name, table, filter string
+		var name, schema, table, filter string
 		var k int
-		if err := rows.Scan(&name, &k, &table, &filter); err != nil {
+		if err := rows.Scan(&name, &k, &schema, &table, &filter); err != nil {
 			rows.Close()
 			return res, fmt.Errorf("shards: read publications: %w", err)
 		}
@@ -227,12 +245,34 @@ func EnsureShards(ctx context.Context, db Beginner, o ShardOptions, n int) (Shar
 			p = &pub{name: name, filters: map[string]string{}}
 			have[k] = p
 		}
-		if table != "" {
+		switch {
+		case table == "":
+		case schema == o.Schema && (table == "agent_outbox" || table == "messages"):
 			p.filters[table] = filter
+		default:
+			p.others = append(p.others, schema+"."+table)
 		}
 	}
 	if err := rows.Err(); err != nil {
 		return res, fmt.Errorf("shards: read publications: %w", err)
+	}
+	// A publication of that name that publishes other tables, or none, is not one this
+	// installation made (another schema's installation may be named so): never altered or
+	// dropped. In the way of a shard, it is refused.
+	for k, p := range have {
+		if len(p.others) == 0 && len(p.filters) > 0 {
+			continue
+		}
+		delete(have, k)
+		if k < n {
+			what := "no table"
+			if len(p.others) > 0 {
+				what = strings.Join(p.others, ", ")
+			}
+			return ShardResult{}, fmt.Errorf("%w: publication %s exists and publishes %s, not only %s's agent_outbox and "+
+				"messages: it is not a shard publication of this installation; choose another BATON_PUBLICATION or drop it",
+				ErrShards, p.name, what, o.Schema)
+		}
 	}
 	matches := func(p *pub, k int) bool {
 		want := ShardFilters(n, k)

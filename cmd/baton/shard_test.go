@@ -89,6 +89,13 @@ func TestStatusShowsShardSlots(t *testing.T) {
 	var rep statusreport.Report
 	require.NoError(t, json.Unmarshal([]byte(r.stdout), &rep), r.stdout+r.stderr)
 	require.Nil(t, rep.Shards, "no shard publications, no shards")
+	// Another installation's publication named like a shard (schema tenant_b, publication
+	// baton_2) is not one of this installation's shards.
+	r = runBaton(t, "migrate", "--database-url", db.URL, "--schema", "tenant_b", "--publication", "baton_2")
+	require.Equal(t, 0, r.code, r.stderr)
+	r = status("--json")
+	require.NoError(t, json.Unmarshal([]byte(r.stdout), &rep), r.stdout+r.stderr)
+	require.Nil(t, rep.Shards, "another schema's publication baton_2 counted as a shard")
 
 	r = runBaton(t, "migrate", "--database-url", db.URL, "--slot", slot, "--shards", "2")
 	require.Equal(t, 0, r.code, r.stderr)

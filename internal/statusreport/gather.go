@@ -82,8 +82,10 @@ func readSlot(ctx context.Context, db DB, s *Slot) {
 }
 
 // shardPubsSQL lists the shard numbers K of the publications <publication>_<K>.
-const shardPubsSQL = `SELECT substr(pubname, length($1) + 2)::int FROM pg_publication
-	WHERE left(pubname, length($1) + 1) = $1 || '_' AND substr(pubname, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'`
+const shardPubsSQL = `SELECT substr(p.pubname, length($1) + 2)::int FROM pg_publication p
+	WHERE left(p.pubname, length($1) + 1) = $1 || '_' AND substr(p.pubname, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'
+		AND EXISTS (SELECT FROM pg_publication_tables t
+			WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = 'agent_outbox')`
 
 // shardSlotsSQL lists the shard numbers K of this database's slots <slot>_<K> (slot names are
 // the cluster's: another database's are not this one's strays).
@@ -94,7 +96,7 @@ const shardSlotsSQL = `SELECT substr(slot_name, length($1) + 2)::int FROM pg_rep
 // readShards reads the shard publications and each shard's slot, or returns nil when there
 // is no shard publication.
 func readShards(ctx context.Context, db DB, opts Options) *Shards {
-	pubs, err := collectInts(ctx, db, shardPubsSQL, opts.Publication)
+	pubs, err := collectInts(ctx, db, shardPubsSQL, opts.Publication, opts.Schema)
 	if err != nil {
 		return &Shards{Publication: opts.Publication, Error: fmt.Sprintf("read shard publications: %v", err)}
 	}
@@ -132,13 +134,13 @@ func readShards(ctx context.Context, db DB, opts Options) *Shards {
 }
 
 // collectInts runs a query of one integer column.
-func collectInts(ctx context.Context, db DB, sql string, arg string) ([]int, error) {
+func collectInts(ctx context.Context, db DB, sql string, args ...any) ([]int, error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return nil, err
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	rows, err := tx.Query(ctx, sql, arg)
+	rows, err := tx.Query(ctx, sql, args...)
 	if err != nil {
 		return nil, err
 	}
