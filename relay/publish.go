@@ -166,8 +166,14 @@ func (e *streamFullError) Unwrap() error { return e.err }
 // message msg for lack of room in stream (of lane), and err otherwise.
 func asStreamFull(err error, lane int, stream string, msg *nats.Msg) error {
 	var api *jetstream.APIError
-	if errors.As(err, &api) && slices.Contains(streamFullCodes, api.ErrorCode) {
-		return &streamFullError{lane: lane, stream: stream, subject: msg.Subject, msgID: msg.Header.Get(nats.MsgIdHdr), err: api}
+	if !errors.As(err, &api) || !slices.Contains(streamFullCodes, api.ErrorCode) {
+		return err
 	}
-	return err
+	// 10077 is any failure to store: also a message too large, or a store closed while its
+	// stream stops (a leader change). Only the limits mean "full".
+	if api.ErrorCode == 10077 && !strings.Contains(api.Description, "maximum messages exceeded") &&
+		!strings.Contains(api.Description, "maximum bytes exceeded") {
+		return err
+	}
+	return &streamFullError{lane: lane, stream: stream, subject: msg.Subject, msgID: msg.Header.Get(nats.MsgIdHdr), err: api}
 }

@@ -167,6 +167,11 @@ func checkShardFilters(ctx context.Context, conn *pgx.Conn, cfg *Config) error {
 // relay never rewrites an operator's limits.
 func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (batched bool, err error) {
 	batched = !cfg.ClassicPublish
+	if maxPayload := cfg.NATS.MaxPayload(); cfg.Streams.MaxBytes > 0 && cfg.Streams.MaxBytes < maxPayload {
+		// A stream smaller than one event could refuse an event for good: "full" forever.
+		return false, fmt.Errorf("%w: stream max bytes %d is below the NATS server's max_payload %d, the size of one event at most; "+
+			"raise BATON_STREAM_MAX_BYTES", ErrSetup, cfg.Streams.MaxBytes, maxPayload)
+	}
 	for _, want := range wantStreams(cfg) {
 		st, err := js.Stream(ctx, want.Name)
 		if errors.Is(err, jetstream.ErrStreamNotFound) {

@@ -84,3 +84,16 @@ func TestBackfillReadsInBatches(t *testing.T) {
 	require.Eventually(t, func() bool { return scans()-before-1 >= pages }, 30*time.Second, 100*time.Millisecond,
 		"the backfill read agent_outbox in fewer than %d queries", pages)
 }
+
+// A stream byte cap below the server's max_payload could refuse one event for good, which
+// would look like a full stream forever: the relay refuses to start instead.
+func TestStreamMaxBytesBelowMaxPayloadIsASetupError(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.cfg.Streams.MaxBytes = 100
+	r, err := relay.New(b.cfg)
+	require.NoError(t, err)
+	err = r.Run(ctxT(t, 20*time.Second))
+	require.ErrorIs(t, err, relay.ErrSetup)
+	require.ErrorContains(t, err, "stream max bytes 100 is below the NATS server's max_payload")
+}

@@ -146,6 +146,12 @@ func TestAsStreamFull(t *testing.T) {
 	var full *streamFullError
 	require.False(t, errors.As(asStreamFull(other, laneTurns, "T", msg), &full))
 	require.False(t, errors.As(asStreamFull(errNoResponders, laneTurns, "T", msg), &full))
+	// 10077 for what is no limit: a store closed during a leader change, a message too large.
+	for _, d := range []string{"store closed", "message too large"} {
+		require.False(t, errors.As(asStreamFull(&jetstream.APIError{Code: 503, ErrorCode: 10077, Description: d}, laneTurns, "T", msg), &full), d)
+	}
+	require.True(t, errors.As(asStreamFull(&jetstream.APIError{Code: 503, ErrorCode: 10077, Description: "maximum messages exceeded"},
+		laneTurns, "T", msg), &full))
 }
 
 // streamFullGauge returns baton_relay_stream_full{stream} from reg, or -1.
