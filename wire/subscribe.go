@@ -122,7 +122,9 @@ type OutcomeHandler func(ctx context.Context, o Outcome) error
 //     delivered meanwhile. Deliveries lost with a dropped connection do not get overtaken:
 //     the subscriber notices the gap in the consumer's delivery numbers, pulls nothing for
 //     AckWait, and JetStream then delivers the lost ones first (one process per Durable;
-//     processes sharing one split the outcomes and their order between them).
+//     processes sharing one split the outcomes and their order between them). Not noticed:
+//     deliveries lost in a JetStream cluster when the consumer's leader changes while this
+//     connection stays up; they come after AckWait, after those delivered meanwhile.
 //
 // Delivered messages wait in a client-side buffer (nats.go's default size) before Handler
 // sees them, and their AckWait runs there: with a slow Handler some are delivered again and
