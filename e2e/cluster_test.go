@@ -7,13 +7,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/batonhq/baton/internal/testsvc"
-	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/relay"
 )
 
@@ -169,28 +166,7 @@ func TestJetStreamCluster(t *testing.T) {
 func startClusterSystem(t *testing.T, ctx context.Context) (*system, *testsvc.Cluster) {
 	t.Helper()
 	cl := testsvc.StartCluster(t, 3)
-	pg, err := testsvc.StartPostgres(ctx)
-	if err != nil {
-		t.Fatalf("start postgres: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := pg.Close(); err != nil {
-			t.Errorf("stop postgres: %v", err)
-		}
-	})
-	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
-	if err != nil {
-		t.Fatalf("connect: %v", err)
-	}
-	if _, err := migrations.Up(ctx, conn); err != nil {
-		t.Fatalf("migrate: %v", err)
-	}
-	_ = conn.Close(ctx)
-	pool, err := pgxpool.New(ctx, pg.URL("postgres")+"&pool_max_conns=8")
-	if err != nil {
-		t.Fatalf("pool: %v", err)
-	}
-	t.Cleanup(pool.Close)
+	pg, pool := startMigratedPostgres(t, ctx, 8)
 	nc, err := nats.Connect(cl.URLs(), nats.Name("cluster-test"), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
 	if err != nil {
 		t.Fatalf("connect to nats: %v", err)

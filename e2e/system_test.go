@@ -85,33 +85,7 @@ func (l *outcomeLog) snapshot() []subscriberLine {
 func startSystem(t *testing.T, ctx context.Context) *system {
 	t.Helper()
 	began := time.Now()
-	pg, err := testsvc.StartPostgres(ctx)
-	if err != nil {
-		t.Fatalf("start postgres: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := pg.Close(); err != nil {
-			t.Errorf("stop postgres: %v", err)
-		}
-	})
-	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
-	if err != nil {
-		t.Fatalf("connect: %v", err)
-	}
-	if _, err := migrations.Up(ctx, conn); err != nil {
-		t.Fatalf("migrate: %v", err)
-	}
-	_ = conn.Close(ctx)
-	pcfg, err := pgxpool.ParseConfig(pg.URL("postgres"))
-	if err != nil {
-		t.Fatalf("pool config: %v", err)
-	}
-	pcfg.MaxConns = 12
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	if err != nil {
-		t.Fatalf("pool: %v", err)
-	}
-	t.Cleanup(pool.Close)
+	pg, pool := startMigratedPostgres(t, ctx, 12)
 
 	n := testsvc.StartNATS(t)
 	if n.External() {
@@ -257,4 +231,38 @@ func (s *system) logs(n int) string {
 		fmt.Fprintf(&b, "=== %s (pid %d, %d starts), last %d lines:\n%s\n", p.name, p.pid(), p.starts, n, p.log.lines(n))
 	}
 	return b.String()
+}
+
+// startMigratedPostgres starts a throwaway cluster of the test's own (the runs stop and crash
+// it), migrates its postgres database and returns it with a pool of at most maxConns.
+func startMigratedPostgres(t *testing.T, ctx context.Context, maxConns int32) (*testsvc.Postgres, *pgxpool.Pool) {
+	t.Helper()
+	pg, err := testsvc.StartPostgres(ctx)
+	if err != nil {
+		t.Fatalf("start postgres: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := pg.Close(); err != nil {
+			t.Errorf("stop postgres: %v", err)
+		}
+	})
+	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
+	if err != nil {
+		t.Fatalf("connect: %v", err)
+	}
+	if _, err := migrations.Up(ctx, conn); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	_ = conn.Close(ctx)
+	pcfg, err := pgxpool.ParseConfig(pg.URL("postgres"))
+	if err != nil {
+		t.Fatalf("pool config: %v", err)
+	}
+	pcfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		t.Fatalf("pool: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	return pg, pool
 }

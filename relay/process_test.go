@@ -153,15 +153,8 @@ func TestLostSlotIsLoudAndRecoverable(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t, 3*time.Minute)
 	// A cluster of its own: the slot WAL cap is cluster-wide.
-	pg, err := testsvc.StartPostgres(ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, pg.Close()) })
-	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = conn.Close(context.Background()) })
-	_, err = migrations.Up(ctx, conn)
-	require.NoError(t, err)
-	_, err = conn.Exec(ctx, `ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'`)
+	pg, conn := ownCluster(t, ctx)
+	_, err := conn.Exec(ctx, `ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'`)
 	require.NoError(t, err)
 	_, err = conn.Exec(ctx, `SELECT pg_reload_conf()`)
 	require.NoError(t, err)
@@ -373,4 +366,19 @@ func TestStartupChecksNameTheProblem(t *testing.T) {
 	err = r.Run(ctx)
 	require.ErrorIs(t, err, relay.ErrSetup)
 	require.ErrorContains(t, err, `wal_level is "replica"`)
+}
+
+// ownCluster starts a throwaway cluster for this test alone (for settings that are
+// cluster-wide), migrates its postgres database and returns it with a connection to it.
+func ownCluster(t *testing.T, ctx context.Context) (*testsvc.Postgres, *pgx.Conn) {
+	t.Helper()
+	pg, err := testsvc.StartPostgres(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, pg.Close()) })
+	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = migrations.Up(ctx, conn)
+	require.NoError(t, err)
+	return pg, conn
 }

@@ -9,12 +9,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/internal/testsvc"
-	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/relay"
 	"github.com/batonhq/baton/wire"
 )
@@ -282,17 +280,10 @@ func TestLostSlotUnderLoadRecovers(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t, 3*time.Minute)
 	// A cluster of its own: max_slot_wal_keep_size is cluster-wide.
-	pg, err := testsvc.StartPostgres(ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, pg.Close()) })
-	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = conn.Close(context.Background()) })
-	_, err = migrations.Up(ctx, conn)
-	require.NoError(t, err)
+	pg, conn := ownCluster(t, ctx)
 	for _, sql := range []string{`ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'`, `SELECT pg_reload_conf()`,
 		`CREATE TABLE filler (v text)`} {
-		_, err = conn.Exec(ctx, sql)
+		_, err := conn.Exec(ctx, sql)
 		require.NoError(t, err)
 	}
 	pool, err := pgxpool.New(ctx, pg.URL("postgres"))
