@@ -19,6 +19,7 @@ import (
 	"syscall"
 
 	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/internal/opsserver"
 )
 
 // command is one subcommand of baton. Adding a subcommand is one entry in commands.
@@ -42,14 +43,18 @@ var commands = map[string]command{
 }
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	if version != "dev" {
+		opsserver.Version = version
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
 }
 
 // run runs the subcommand named by args[0] and returns the process exit code: 0 on success,
-// 1 when the command failed, 2 on a usage error.
+// 1 when the command failed (or, for status, something needs attention), 2 on a usage error,
+// 3 when status could not check.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
 		printUsage(stderr)
@@ -79,11 +84,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	err := cmd.run(ctx, rest, stdout, stderr)
 	var usageErr usageError
 	var logged loggedError
+	var uncheckable couldNotCheck
 	switch {
 	case err == nil, errors.Is(err, flag.ErrHelp):
 		return 0
 	case errors.As(err, &logged):
 		return 1
+	case errors.As(err, &uncheckable):
+		fmt.Fprintf(stderr, "baton %s: %v\n", name, err)
+		return 3
 	case errors.As(err, &usageErr):
 		if usageErr.msg != "" {
 			fmt.Fprintf(stderr, "baton %s: %s\n", name, usageErr.msg)
@@ -127,6 +136,13 @@ func (e usageError) Error() string {
 	}
 	return e.msg
 }
+
+// couldNotCheck is a check that could not be made (status could not reach the database):
+// exit code 3, apart from 1, "checked, and something needs attention".
+type couldNotCheck struct{ err error }
+
+func (e couldNotCheck) Error() string { return e.err.Error() }
+func (e couldNotCheck) Unwrap() error { return e.err }
 
 // loggedError is a failure the command already logged through its logger, in the configured
 // format: exit code 1, and nothing printed again.

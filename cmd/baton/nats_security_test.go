@@ -28,6 +28,7 @@ const exitWithin = 20 * time.Second
 // child is a program of this module running as a process, killed when the test ends.
 type child struct {
 	name           string
+	cmd            *exec.Cmd
 	stdout, stderr testsvc.Buffer
 	exited         chan struct{}
 	state          *os.ProcessState // set before exited is closed
@@ -37,8 +38,8 @@ type child struct {
 // or PG* (testEnv) plus env.
 func startChild(t *testing.T, name, bin string, env []string, args ...string) *child {
 	t.Helper()
-	c := &child{name: name, exited: make(chan struct{})}
 	cmd := exec.Command(bin, args...) // stopped when the test ends, SIGTERM first
+	c := &child{name: name, cmd: cmd, exited: make(chan struct{})}
 	cmd.Env = append(testEnv(), env...)
 	cmd.Stdout, cmd.Stderr = &c.stdout, &c.stderr
 	require.NoError(t, cmd.Start())

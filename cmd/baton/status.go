@@ -21,7 +21,9 @@ the age of the oldest pending row and the oldest claim, the turns and outcomes s
 each one's replica count, leader and other replicas) and the workers' durable consumer
 (skipped without a NATS URL), and the schema version.
 
-It prints the report, then an "attention:" list, and exits 1 when that list is not empty: the
+It prints the report, then an "attention:" list, and exits 1 when that list is not empty (0
+when it is, 3 when it could not check: the database could not be reached; with --json it then
+prints {"generated_at", "ok": false, "error"}): the
 slot is missing or lost, the oldest pending request is older than --stale-after, a lease
 expired longer ago than that with no worker recovering it, NATS or a stream is missing, a
 stream has no leader (no quorum of its replicas), or a part could not be read. An inactive slot (no relay streaming) is a warning only: pending work
@@ -65,7 +67,13 @@ past N is a warning (it holds WAL).`, stderr)
 	defer cancel()
 	conn, err := connect(ctx, cfg)
 	if err != nil {
-		return err
+		if *asJSON {
+			// Monitors parse stdout: they get an object saying so, not nothing.
+			if werr := statusreport.WriteJSONError(stdout, err); werr != nil {
+				return fmt.Errorf("write report: %w", werr)
+			}
+		}
+		return couldNotCheck{err: err}
 	}
 	defer func() { _ = conn.Close(context.WithoutCancel(ctx)) }()
 

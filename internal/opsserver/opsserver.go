@@ -10,6 +10,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/pprof"
+	"runtime"
+	"runtime/debug"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -17,11 +19,42 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
-// NewRegistry returns a registry with the Go runtime and process collectors.
+// Version is the version baton_build_info reports; empty: the module version the binary was
+// built at, "(devel)" for a build from a checkout. cmd/baton sets the one given at link time.
+var Version string
+
+// NewRegistry returns a registry with the Go runtime and process collectors and
+// baton_build_info.
 func NewRegistry() *prometheus.Registry {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildInfo())
 	return reg
+}
+
+// buildInfo is baton_build_info: always 1, with the binary's version, VCS revision and Go
+// version as labels, so that dashboards can tell which build runs where.
+func buildInfo() prometheus.Collector {
+	version, revision, goVersion := Version, "unknown", runtime.Version()
+	if info, ok := debug.ReadBuildInfo(); ok {
+		if version == "" {
+			version = info.Main.Version
+		}
+		for _, s := range info.Settings {
+			if s.Key == "vcs.revision" {
+				revision = s.Value
+			}
+		}
+	}
+	if version == "" {
+		version = "unknown"
+	}
+	g := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        "baton_build_info",
+		Help:        "Always 1; the labels name the running build: version, VCS revision and Go version.",
+		ConstLabels: prometheus.Labels{"version": version, "revision": revision, "goversion": goVersion},
+	})
+	g.Set(1)
+	return g
 }
 
 // Serve listens on addr until ctx ends. /readyz answers 200 while ready returns true, else 503.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"runtime"
 	"testing"
 	"time"
 
@@ -38,4 +39,31 @@ func TestServePprof(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("ServePprof did not return after its context ended")
 	}
+}
+
+// Every registry carries baton_build_info, 1, labelled with the version, revision and Go
+// version; a version set at link time wins.
+func TestBuildInfo(t *testing.T) {
+	old := Version
+	Version = "v9.8.7"
+	t.Cleanup(func() { Version = old })
+	mfs, err := NewRegistry().Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != "baton_build_info" {
+			continue
+		}
+		require.Len(t, mf.GetMetric(), 1)
+		m := mf.GetMetric()[0]
+		require.Equal(t, 1.0, m.GetGauge().GetValue())
+		labels := map[string]string{}
+		for _, l := range m.GetLabel() {
+			labels[l.GetName()] = l.GetValue()
+		}
+		require.Equal(t, "v9.8.7", labels["version"])
+		require.Equal(t, runtime.Version(), labels["goversion"])
+		require.NotEmpty(t, labels["revision"])
+		return
+	}
+	t.Fatal("no baton_build_info in the registry")
 }

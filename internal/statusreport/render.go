@@ -17,6 +17,19 @@ func WriteJSON(w io.Writer, r *Report) error {
 	return enc.Encode(r)
 }
 
+// WriteJSONError writes the JSON object of a report that could not be made: generated_at, ok
+// (false) and error, the reason (connection strings in it are redacted by the caller's error:
+// connect errors never hold a password).
+func WriteJSONError(w io.Writer, err error) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(struct {
+		GeneratedAt time.Time `json:"generated_at"`
+		OK          bool      `json:"ok"`
+		Error       string    `json:"error"`
+	}{time.Now().UTC(), false, err.Error()})
+}
+
 // WriteText writes r as aligned tables, then the attention and warning lists. It returns the
 // first write error.
 func WriteText(w io.Writer, r *Report) error {

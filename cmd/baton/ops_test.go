@@ -1,0 +1,70 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/internal/testsvc"
+)
+
+// SIGHUP (a closed terminal, a supervisor's reload) stops every long-running program the way
+// SIGTERM does: drained and exit 0, not killed by the signal's default action.
+func TestSIGHUPStopsLikeSIGTERM(t *testing.T) {
+	t.Parallel()
+	bins := testsvc.Binaries(t, "github.com/batonhq/baton/cmd/baton", "github.com/batonhq/baton/examples/echoagent",
+		"github.com/batonhq/baton/examples/subscriber")
+	db := testsvc.NewDatabase(t)
+	n := testsvc.StartNATS(t)
+	env := []string{config.EnvDatabaseURL + "=" + db.URL, config.EnvNATSURL + "=" + n.URL(), config.EnvSlot + "=" + db.Name}
+	relay := startChild(t, "relay", bins[0], env, "relay")
+	relay.await(t, "msg=streaming")
+	agent := startChild(t, "echoagent", bins[1], env)
+	agent.await(t, "echoagent started")
+	sub := startChild(t, "subscriber", bins[2], env, "--durable", "hup")
+	sub.await(t, "subscribed to outcomes")
+	for _, c := range []*child{sub, agent, relay} {
+		require.NoError(t, c.cmd.Process.Signal(syscall.SIGHUP))
+		require.Equal(t, 0, c.exitCode(t), "%s on SIGHUP:\n%s", c.name, c.stderr.String())
+	}
+}
+
+// `baton status` that cannot reach the database could not check anything: exit 3, apart from
+// 1 (checked: something needs attention); with --json it prints an object saying so, which a
+// monitor parsing stdout can read, and never the password.
+func TestStatusCouldNotCheck(t *testing.T) {
+	t.Parallel()
+	for _, asJSON := range []bool{false, true} {
+		args := []string{"status", "--database-url", "postgres://watcher:s3cret-pw@127.0.0.1:1/x?connect_timeout=5"}
+		if asJSON {
+			args = append(args, "--json")
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		var stdout, stderr bytes.Buffer
+		code := run(ctx, args, &stdout, &stderr)
+		cancel()
+		require.Equal(t, 3, code, "json %v: %s%s", asJSON, stdout.String(), stderr.String())
+		require.NotContains(t, stdout.String()+stderr.String(), "s3cret-pw")
+		require.Contains(t, stderr.String(), "baton status: ")
+		if !asJSON {
+			require.Empty(t, stdout.String())
+			continue
+		}
+		var rep struct {
+			GeneratedAt time.Time `json:"generated_at"`
+			OK          *bool     `json:"ok"`
+			Error       string    `json:"error"`
+		}
+		require.NoError(t, json.Unmarshal(stdout.Bytes(), &rep), stdout.String())
+		require.NotNil(t, rep.OK)
+		require.False(t, *rep.OK)
+		require.Contains(t, rep.Error, "127.0.0.1")
+		require.False(t, rep.GeneratedAt.IsZero())
+	}
+}
