@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -67,4 +70,47 @@ func TestStatusCouldNotCheck(t *testing.T) {
 		require.Contains(t, rep.Error, "127.0.0.1")
 		require.False(t, rep.GeneratedAt.IsZero())
 	}
+}
+
+// A worker's /readyz says whether it can work: 200 while Postgres and NATS answer, 503 naming
+// NATS while NATS is away, 200 again once it is back. /healthz stays 200 throughout.
+func TestWorkerReadyzFollowsNATS(t *testing.T) {
+	t.Parallel()
+	agentBin := testsvc.Binary(t, "github.com/batonhq/baton/examples/echoagent")
+	db := testsvc.NewDatabase(t)
+	n := testsvc.StartNATS(t)
+	require.False(t, n.External(), "this test stops NATS: unset %s", testsvc.EnvNATSURL)
+	addr := freeAddr(t)
+	agent := startChild(t, "echoagent", agentBin, []string{config.EnvDatabaseURL + "=" + db.URL,
+		config.EnvNATSURL + "=" + n.URL(), config.EnvMetricsAddr + "=" + addr})
+	agent.await(t, "echoagent started")
+	probe := func(path string) (int, string) {
+		resp, err := http.Get("http://" + addr + path) //nolint:noctx // a probe with the client's timeout
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer func() { _ = resp.Body.Close() }()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	awaitProbe := func(path string, want int, says string) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			code, body := probe(path)
+			if code == want && strings.Contains(body, says) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: got %d %q for 30s, want %d with %q", path, code, body, want, says)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	awaitProbe("/readyz", http.StatusOK, "ok")
+	n.Stop()
+	awaitProbe("/readyz", http.StatusServiceUnavailable, "nats")
+	awaitProbe("/healthz", http.StatusOK, "ok")
+	require.NoError(t, n.Start())
+	awaitProbe("/readyz", http.StatusOK, "ok")
 }

@@ -17,7 +17,8 @@
 // BATON_NATS_URL_FILE), and the NATS login and TLS from BATON_NATS_CREDS, BATON_NATS_NKEY,
 // BATON_NATS_CA, BATON_NATS_CERT and BATON_NATS_KEY (paths; see package natsconn). The pool size comes from the URL (pool_max_conns=...).
 // With BATON_METRICS_ADDR (--metrics-addr) it serves Prometheus metrics at /metrics and
-// probes at /healthz and /readyz. SIGINT or SIGTERM stops it gracefully: running turns get
+// probes at /healthz (alive) and /readyz (Postgres and, with JetStream, NATS reachable: 503
+// and why otherwise). SIGINT, SIGTERM or SIGHUP stops it gracefully: running turns get
 // --shutdown-grace (default 10s) to finish, then they are cancelled.
 //
 // hooks.go holds the test hooks --write-tool, --fail and --pause-at <point>, which tests use
@@ -199,7 +200,7 @@ func run(ctx context.Context) error {
 		return errStopped // stop the metrics server too
 	})
 	if cfg.MetricsAddr != "" {
-		g.Go(func() error { return serveMetrics(gctx, cfg.MetricsAddr, reg) })
+		g.Go(func() error { return serveMetrics(gctx, cfg.MetricsAddr, reg, w.Ready) })
 	}
 	if err := g.Wait(); err != nil && !errors.Is(err, errStopped) {
 		return err
@@ -211,14 +212,22 @@ func run(ctx context.Context) error {
 // errStopped ends the errgroup when the worker returned cleanly.
 var errStopped = errors.New("stopped")
 
-// serveMetrics serves Prometheus metrics at /metrics and the probes /healthz and /readyz
-// (both "ok" while the process runs) on addr until ctx ends.
-func serveMetrics(ctx context.Context, addr string, reg *prometheus.Registry) error {
+// serveMetrics serves Prometheus metrics at /metrics and the probes /healthz ("ok" while the
+// process runs) and /readyz ("ok" while ready, consumer.Worker.Ready, else 503 and why) on
+// addr until ctx ends.
+func serveMetrics(ctx context.Context, addr string, reg *prometheus.Registry, ready func(context.Context) error) error {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
-	ok := func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) }
-	mux.HandleFunc("GET /healthz", ok)
-	mux.HandleFunc("GET /readyz", ok)
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		rctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+		defer cancel()
+		if err := ready(rctx); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write([]byte("ok\n"))
+	})
 	srv := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	stop := context.AfterFunc(ctx, func() {
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
