@@ -464,11 +464,21 @@ func TestGrafanaDashboard(t *testing.T) {
 	raw := readFile(t, "deploy", "grafana", "baton-dashboard.json")
 	require.True(t, json.Valid(raw), "baton-dashboard.json is not valid JSON")
 	var d struct {
-		UID    string         `json:"uid"`
-		Title  string         `json:"title"`
-		Panels []grafanaPanel `json:"panels"`
+		UID        string         `json:"uid"`
+		Title      string         `json:"title"`
+		Panels     []grafanaPanel `json:"panels"`
+		Templating struct {
+			List []struct {
+				Name string `json:"name"`
+			} `json:"list"`
+		} `json:"templating"`
 	}
 	require.NoError(t, json.Unmarshal(raw, &d))
+	var vars []string
+	for _, v := range d.Templating.List {
+		vars = append(vars, v.Name)
+	}
+	require.Contains(t, vars, "instance", "the dashboard has no instance variable")
 	require.NotEmpty(t, d.UID)
 	require.NotEmpty(t, d.Title)
 	ids := map[int]bool{}
@@ -484,6 +494,9 @@ func TestGrafanaDashboard(t *testing.T) {
 			}
 			require.NotEmpty(t, p.Targets, "panel %q has no query", p.Title)
 			for _, target := range p.Targets {
+				// Every series is filtered by the instance variable: one relay or worker at a time.
+				require.Equal(t, strings.Count(target.Expr, "baton_"), strings.Count(target.Expr, `instance=~"$instance"`),
+					"panel %q: every metric filtered by $instance: %s", p.Title, target.Expr)
 				for _, m := range checkExpr(t, metrics, "panel "+p.Title, target.Expr) {
 					used[m] = true
 				}
