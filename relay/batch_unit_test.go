@@ -4,7 +4,6 @@ import (
 	"context"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -30,22 +29,8 @@ func batchStream(t *testing.T, nc *nats.Conn, maxMsgSize int32) jetstream.Stream
 // result.
 func runBatched(t *testing.T, nc *nats.Conn, items ...item) (uint64, error) {
 	t.Helper()
-	var confirmed atomic.Uint64
 	cfg := Config{DatabaseURL: "x", NATS: nc, AckTimeout: 10 * time.Second, alwaysBatches: true}
-	require.NoError(t, cfg.fill())
-	p := newPipeline(&cfg, newMetrics(nil), &confirmed, natsSender(nc), true)
-	done := make(chan error, 1)
-	go func() { done <- p.run(nil, nil, 0) }()
-	if err := p.feed(context.Background(), items...); err == nil {
-		p.closeInput()
-	}
-	select {
-	case err := <-done:
-		return confirmed.Load(), err
-	case <-time.After(30 * time.Second):
-		t.Fatal("the pipeline did not end")
-		return 0, nil
-	}
+	return runPipelineWith(t, cfg, newMetrics(nil), true, items...)
 }
 
 func batchEvent(subj string, i int, size int) item {

@@ -31,10 +31,17 @@ func workQueue(t *testing.T, nc *nats.Conn, maxMsgs int64) (jetstream.JetStream,
 // returns the confirmed LSN and run's result.
 func runPipeline(t *testing.T, nc *nats.Conn, m *metrics, batched bool, items ...item) (uint64, error) {
 	t.Helper()
-	var confirmed atomic.Uint64
 	cfg := Config{DatabaseURL: "x", NATS: nc, AckTimeout: 10 * time.Second, TurnsStream: "WORK", alwaysBatches: batched}
+	return runPipelineWith(t, cfg, m, batched, items...)
+}
+
+// runPipelineWith runs a pipeline of cfg (filled here) over items, with metrics m, taking
+// fast-ingest batches when batched, and returns the confirmed LSN and run's result.
+func runPipelineWith(t *testing.T, cfg Config, m *metrics, batched bool, items ...item) (uint64, error) {
+	t.Helper()
+	var confirmed atomic.Uint64
 	require.NoError(t, cfg.fill())
-	p := newPipeline(&cfg, m, &confirmed, natsSender(nc), batched)
+	p := newPipeline(&cfg, m, &confirmed, natsSender(cfg.NATS), batched)
 	done := make(chan error, 1)
 	go func() { done <- p.run(nil, nil, 0) }()
 	if err := p.feed(context.Background(), items...); err == nil {
