@@ -47,14 +47,8 @@ func TestStatusEvaluateStreamClusters(t *testing.T) {
 			r := replicated()
 			tt.change(r)
 			r.Evaluate()
-			require.Len(t, r.Attention, len(tt.attention), "attention: %q", r.Attention)
-			for i, want := range tt.attention {
-				require.Contains(t, r.Attention[i], want)
-			}
-			require.Len(t, r.Warnings, len(tt.warnings), "warnings: %q", r.Warnings)
-			for i, want := range tt.warnings {
-				require.Contains(t, r.Warnings[i], want)
-			}
+			requireEach(t, "attention", r.Attention, tt.attention)
+			requireEach(t, "warnings", r.Warnings, tt.warnings)
 		})
 	}
 }

@@ -62,10 +62,7 @@ func TestStatusEvaluateShards(t *testing.T) {
 			for _, want := range tt.attention {
 				require.Contains(t, r.Attention[0], want)
 			}
-			require.Len(t, r.Warnings, len(tt.warnings), "warnings: %q", r.Warnings)
-			for i, want := range tt.warnings {
-				require.Contains(t, r.Warnings[i], want)
-			}
+			requireEach(t, "warnings", r.Warnings, tt.warnings)
 			var text bytes.Buffer
 			require.NoError(t, WriteText(&text, r))
 		})

@@ -89,14 +89,8 @@ func TestStatusEvaluate(t *testing.T) {
 			r := healthy()
 			tt.change(r)
 			r.Evaluate()
-			require.Len(t, r.Attention, len(tt.attention), "attention: %q", r.Attention)
-			for i, want := range tt.attention {
-				require.Contains(t, r.Attention[i], want)
-			}
-			require.Len(t, r.Warnings, len(tt.warnings), "warnings: %q", r.Warnings)
-			for i, want := range tt.warnings {
-				require.Contains(t, r.Warnings[i], want)
-			}
+			requireEach(t, "attention", r.Attention, tt.attention)
+			requireEach(t, "warnings", r.Warnings, tt.warnings)
 			require.Equal(t, len(tt.attention) == 0, r.OK)
 
 			var text bytes.Buffer
@@ -189,5 +183,14 @@ func TestStatusFormatting(t *testing.T) {
 	for d, want := range map[time.Duration]string{-time.Second: "0s", 1500 * time.Microsecond: "2ms",
 		1499 * time.Millisecond: "1s", 61 * time.Second: "1m1s", 2*time.Hour + 31*time.Second: "2h1m0s"} {
 		require.Equal(t, want, fmtAge(d), "%v", d)
+	}
+}
+
+// requireEach requires got to hold as many findings as want, the i-th containing want[i].
+func requireEach(t *testing.T, what string, got, want []string) {
+	t.Helper()
+	require.Len(t, got, len(want), "%s: %q", what, got)
+	for i, w := range want {
+		require.Contains(t, got[i], w)
 	}
 }
