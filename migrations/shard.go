@@ -85,6 +85,13 @@ func normalizeFilter(s string) string {
 	}
 }
 
+// ShardOfSQL is the SQL condition that the name in column is <base>_<K>, a shard's name
+// (ShardName) with K of 0…999 written without leading zeros, where the parameter $1 is base.
+// substr(column, length($1) + 2)::int is then K.
+func ShardOfSQL(column string) string {
+	return "left(" + column + ", length($1) + 1) = $1 || '_' AND substr(" + column + ", length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'"
+}
+
 // CheckShard returns an error (ErrShards) unless 0 ≤ k < n ≤ MaxShards.
 func CheckShard(k, n int) error {
 	if n < 1 || n > MaxShards {
@@ -215,14 +222,13 @@ func EnsureShards(ctx context.Context, db Beginner, o ShardOptions, n int) (Shar
 	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey); err != nil {
 		return res, fmt.Errorf("shards: take advisory lock: %w", err)
 	}
-	// Every publication named <publication>_<digits>, with its tables' row filters.
 	// Every publication named <publication>_<digits>, with its tables (of any schema) and
 	// their row filters.
 	rows, err := tx.Query(ctx, `SELECT p.pubname::text, substr(p.pubname, length($1) + 2)::int,
 			coalesce(t.schemaname::text, ''), coalesce(t.tablename::text, ''), coalesce(t.rowfilter, '')
 		FROM pg_publication p
 		LEFT JOIN pg_publication_tables t ON t.pubname = p.pubname
-		WHERE left(p.pubname, length($1) + 1) = $1 || '_' AND substr(p.pubname, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'`,
+		WHERE `+ShardOfSQL("p.pubname"),
 		o.Publication)
 	if err != nil {
 		return res, fmt.Errorf("shards: read publications: %w", err)
@@ -310,8 +316,7 @@ func EnsureShards(ctx context.Context, db Beginner, o ShardOptions, n int) (Shar
 	if len(have) > 0 { // a change of shards that exist: only with no shard slot left
 		var slots []string
 		rows, err := tx.Query(ctx, `SELECT slot_name::text FROM pg_replication_slots
-			WHERE database = current_database() AND left(slot_name, length($1) + 1) = $1 || '_'
-				AND substr(slot_name, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$' ORDER BY slot_name`, o.Slot)
+			WHERE database = current_database() AND `+ShardOfSQL("slot_name")+` ORDER BY slot_name`, o.Slot)
 		if err != nil {
 			return res, fmt.Errorf("shards: read slots: %w", err)
 		}

@@ -82,16 +82,15 @@ func readSlot(ctx context.Context, db DB, s *Slot) {
 }
 
 // shardPubsSQL lists the shard numbers K of the publications <publication>_<K>.
-const shardPubsSQL = `SELECT substr(p.pubname, length($1) + 2)::int FROM pg_publication p
-	WHERE left(p.pubname, length($1) + 1) = $1 || '_' AND substr(p.pubname, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'
+var shardPubsSQL = `SELECT substr(p.pubname, length($1) + 2)::int FROM pg_publication p
+	WHERE ` + migrations.ShardOfSQL("p.pubname") + `
 		AND EXISTS (SELECT FROM pg_publication_tables t
 			WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = 'agent_outbox')`
 
 // shardSlotsSQL lists the shard numbers K of this database's slots <slot>_<K> (slot names are
 // the cluster's: another database's are not this one's strays).
-const shardSlotsSQL = `SELECT substr(slot_name, length($1) + 2)::int FROM pg_replication_slots
-	WHERE database = current_database()
-		AND left(slot_name, length($1) + 1) = $1 || '_' AND substr(slot_name, length($1) + 2) ~ '^(0|[1-9][0-9]{0,2})$'`
+var shardSlotsSQL = `SELECT substr(slot_name, length($1) + 2)::int FROM pg_replication_slots
+	WHERE database = current_database() AND ` + migrations.ShardOfSQL("slot_name")
 
 // readShards reads the shard publications and each shard's slot, or returns nil when there
 // is no shard publication.
