@@ -83,7 +83,8 @@ func TestBadRequests(t *testing.T) {
 		{"message id reserved", "POST", "/api/conversations/conv-1/messages", map[string]string{"id": "baton:reply:1", "content": "x"}, 400},
 		{"content empty", "POST", "/api/conversations/conv-1/messages", map[string]string{"id": "m", "content": ""}, 400},
 		{"content too large", "POST", "/api/conversations/conv-1/messages", map[string]string{"id": "m", "content": strings.Repeat("y", 101)}, 413},
-		{"body too large", "POST", "/api/conversations/conv-1/messages", map[string]string{"id": "m", "content": strings.Repeat("y", 2000)}, 413},
+		{"body too large", "POST", "/api/conversations/conv-1/messages", `{"id":"m","content":"x","pad":"` + strings.Repeat("y", 2000) + `"}`, 413},
+		{"body too large, no length", "POST", "/api/conversations/conv-1/messages", chunked(`{"id":"m","content":"x","pad":"` + strings.Repeat("y", 2000) + `"}`), 413},
 		{"body not JSON", "POST", "/api/conversations/conv-1/messages", "{not json", 400},
 		{"body empty", "POST", "/api/conversations/conv-1/messages", "", 400},
 		{"unknown field", "POST", "/api/conversations/conv-1/messages", `{"id":"m","content":"x","role":"assistant"}`, 400},
@@ -102,6 +103,9 @@ func TestBadRequests(t *testing.T) {
 	require.NoError(t, e.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM messages`).Scan(&n))
 	require.Zero(t, n, "no bad request wrote anything")
 }
+
+// chunked is a body of unknown length: the client sends it chunked, with no Content-Length.
+type chunked string
 
 // worker plays a worker's writes, as the consumer package commits them.
 type worker struct {

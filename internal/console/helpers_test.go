@@ -85,6 +85,8 @@ func (e *testEnv) do(t *testing.T, method, path string, body any, hdr ...string)
 		r = bytes.NewReader(b)
 	case string:
 		r = strings.NewReader(b)
+	case chunked:
+		r = io.MultiReader(strings.NewReader(string(b))) // not a *strings.Reader: length unknown
 	default:
 		j, err := json.Marshal(b)
 		require.NoError(t, err)
