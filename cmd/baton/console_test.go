@@ -144,8 +144,13 @@ func TestDemoConsole(t *testing.T) {
 	}
 	require.Contains(t, p.output(), "result: OK")
 
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
 	post := func(path, body string) (int, string) {
-		res, err := http.Post(base+path, "application/json", strings.NewReader(body)) //nolint:noctx // bounded by the client's default transport and the test's timeout
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+path, strings.NewReader(body))
+		require.NoError(t, err)
+		req.Header.Set("Content-Type", "application/json")
+		res, err := http.DefaultClient.Do(req)
 		require.NoError(t, err)
 		defer func() { _ = res.Body.Close() }()
 		b, _ := io.ReadAll(res.Body)
@@ -156,7 +161,11 @@ func TestDemoConsole(t *testing.T) {
 	code, body = post("api/conversations/from-the-console/messages", `{"id":"c-1","content":"hello console"}`)
 	require.Equal(t, http.StatusOK, code, body)
 	require.Eventually(t, func() bool {
-		res, err := http.Get(base + "api/conversations/from-the-console/messages") //nolint:noctx // as above
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"api/conversations/from-the-console/messages", nil)
+		if err != nil {
+			return false
+		}
+		res, err := http.DefaultClient.Do(req)
 		if err != nil {
 			return false
 		}

@@ -19,8 +19,8 @@ import (
 const (
 	EnvAddr         = "BATON_CONSOLE_ADDR"
 	EnvUser         = "BATON_CONSOLE_USER"
-	EnvPassword     = "BATON_CONSOLE_PASSWORD"
-	EnvPasswordFile = "BATON_CONSOLE_PASSWORD_FILE"
+	EnvPassword     = "BATON_CONSOLE_PASSWORD"      //nolint:gosec // G101: the name of a variable, not a password
+	EnvPasswordFile = "BATON_CONSOLE_PASSWORD_FILE" //nolint:gosec // G101: the name of a variable that holds a path
 )
 
 // Defaults of Config and Settings.

@@ -262,7 +262,7 @@ func TestAuth(t *testing.T) {
 }
 
 func basic(user, pass string) string {
-	req, _ := http.NewRequest(http.MethodGet, "/", nil)
+	req, _ := http.NewRequestWithContext(context.Background(), http.MethodGet, "/", nil)
 	req.SetBasicAuth(user, pass)
 	return req.Header.Get("Authorization")
 }
@@ -347,7 +347,7 @@ func TestStatus(t *testing.T) {
 		Streams struct {
 			Checked bool `json:"checked"`
 		} `json:"streams"`
-		Console ConsoleStatus `json:"console"`
+		Console Extra `json:"console"`
 	}
 	require.NoError(t, json.Unmarshal(body, &st))
 	require.Equal(t, "baton", st.Slot.Name)

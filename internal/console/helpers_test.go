@@ -54,7 +54,8 @@ func serve(t *testing.T, e *testEnv, cfg Config) *testEnv {
 	srv, err := New(cfg)
 	require.NoError(t, err)
 	e.srv = srv
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	var lc net.ListenConfig
+	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	e.base = "http://" + ln.Addr().String()
 	ctx, cancel := context.WithCancel(context.Background())

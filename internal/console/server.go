@@ -141,7 +141,7 @@ func (s *Server) authorized(r *http.Request) bool {
 }
 
 func (s *Server) page(name string) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
+	return func(w http.ResponseWriter, _ *http.Request) {
 		b, err := staticFiles.ReadFile("static/" + name)
 		if err != nil {
 			writeError(w, http.StatusInternalServerError, "page missing")

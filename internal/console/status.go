@@ -24,11 +24,11 @@ const (
 // top level, plus the console's own section.
 type Status struct {
 	*statusreport.Report
-	Console ConsoleStatus `json:"console"`
+	Console Extra `json:"console"`
 }
 
-// ConsoleStatus is what the system view shows beyond `baton status`.
-type ConsoleStatus struct {
+// Extra is what the system view shows beyond `baton status`: GET /api/status's "console".
+type Extra struct {
 	// RelayState is "active" when a relay streams from the slot, "standby" when the slot exists
 	// with none streaming, "missing" without the slot.
 	RelayState string `json:"relay_state"`
@@ -57,7 +57,7 @@ func (s *Server) status(ctx context.Context) Status {
 	opts := statusreport.Options{Slot: s.cfg.Slot, SubjectPrefix: s.cfg.SubjectPrefix, Durable: s.cfg.Durable,
 		Schema: s.cfg.Schema, Publication: s.cfg.Publication}
 	rep := statusreport.Gather(ctx, s.cfg.Pool, opts)
-	st := Status{Report: rep, Console: ConsoleStatus{Workers: []Worker{}, Series: []SeriesPoint{}, BucketSeconds: chartBucket.Seconds()}}
+	st := Status{Report: rep, Console: Extra{Workers: []Worker{}, Series: []SeriesPoint{}, BucketSeconds: chartBucket.Seconds()}}
 	if s.cfg.NATS == nil {
 		rep.Streams = statusreport.StreamsSkipped("the console has no NATS URL")
 		st.Console.DeadLetterError = "the console has no NATS URL"

@@ -105,6 +105,7 @@
       }
       current = id;
       title.textContent = id;
+      showNotice("");
       for (const li of list.children) li.classList.toggle("current", li.dataset.conversation === id);
       input.disabled = false;
       sendBtn.disabled = false;
@@ -134,8 +135,20 @@
         if (es !== mine) return;
         setConn(false);
         if (mine.readyState === EventSource.CLOSED) {
-          // The server answered with an error (or went away for good): open a new stream.
-          reopenTimer = setTimeout(() => { if (es === mine && current === conv) subscribe(); }, 2000);
+          // The server refused the stream: a conversation that does not exist stays closed,
+          // anything else (too many streams, a server error) is tried again.
+          api("GET", "/api/conversations/" + encodeURIComponent(conv) + "/messages").then((r) => {
+            if (es !== mine) return;
+            setConn(r.status < 500);
+            if (r.status === 404 || r.status === 400) {
+              showNotice((r.data && r.data.error) || "conversation not found");
+              return;
+            }
+            reopenTimer = setTimeout(() => { if (es === mine && current === conv) subscribe(); }, 2000);
+          }, () => {
+            if (es !== mine) return;
+            reopenTimer = setTimeout(() => { if (es === mine && current === conv) subscribe(); }, 2000);
+          });
         }
       });
     }
@@ -252,7 +265,9 @@
       if (m.history[m.history.length - 1] === "local") setState(m, "synchronized");
       drop(m, "retry");
       drop(m, "send-error");
-      if (r.data && r.data.message && r.data.message.state) applyServer(r.data.message);
+      // The states after synchronized come from the event stream only (the send woke it): the
+      // state in this answer was read apart from the stream and may be older than what the
+      // stream already showed.
     }
 
     composer.addEventListener("submit", (ev) => {
