@@ -205,6 +205,33 @@ func TestEventsFollowTheDatabase(t *testing.T) {
 	require.Equal(t, "echo: hello", tl.Entries[len(tl.Entries)-1].Text)
 }
 
+// TestLargeTextsAreClipped: a message or reply larger than a page should carry (any role that
+// writes messages may write one) is cut, marked with "…".
+func TestLargeTextsAreClipped(t *testing.T) {
+	t.Parallel()
+	e := setup(t, Config{}, false)
+	e.createConversation(t, "conv-1")
+	big := strings.Repeat("é", 100000)
+	exec(t, e.db.Pool, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('big', 'conv-1', 'user', $1)`, big)
+	exec(t, e.db.Pool, `INSERT INTO agent_outbox (conversation_id, message_id) VALUES ('conv-1', 'big')`)
+	w := worker{t: t, e: e, conv: "conv-1", msgID: "big", runID: "00000000-0000-4000-8000-000000000006", worker: "w"}
+	w.claim()
+	w.reply("assistant", big, "")
+	code, body := e.do(t, http.MethodGet, "/api/conversations/conv-1/messages", nil)
+	require.Equal(t, http.StatusOK, code)
+	var list struct{ Messages []MessageView }
+	require.NoError(t, json.Unmarshal(body, &list))
+	require.Len(t, list.Messages, 1)
+	require.Equal(t, strings.Repeat("é", chatTextChars)+"…", list.Messages[0].Content)
+	require.Equal(t, strings.Repeat("é", chatTextChars)+"…", list.Messages[0].Reply)
+	code, body = e.do(t, http.MethodGet, "/api/messages/big", nil)
+	require.Equal(t, http.StatusOK, code)
+	var tl Timeline
+	require.NoError(t, json.Unmarshal(body, &tl))
+	require.Equal(t, strings.Repeat("é", timelineTextChars)+"…", tl.Message.Content)
+	require.Equal(t, strings.Repeat("é", timelineTextChars)+"…", tl.Reply.Content)
+}
+
 // TestEventsWakeOnOutcome: with polling far away, an outcome published on NATS (and a send
 // through the console) makes the stream read the conversation at once.
 func TestEventsWakeOnOutcome(t *testing.T) {

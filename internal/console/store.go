@@ -27,6 +27,19 @@ const (
 	maxWorkers = 50
 )
 
+// clip cuts a text column to at most n characters in SQL, marking a cut with "…": any role
+// that writes messages may write large ones, and a page or event carries at most maxMessages of
+// them.
+func clip(col string, n int) string {
+	return fmt.Sprintf("CASE WHEN length(%[1]s) > %[2]d THEN left(%[1]s, %[2]d) || '…' ELSE %[1]s END", col, n)
+}
+
+// The longest texts the chat (per message and reply) and the timeline show, in characters.
+const (
+	chatTextChars     = 4000
+	timelineTextChars = 64000
+)
+
 // Conversation is one entry of the chat's conversation list.
 type Conversation struct {
 	ID            string     `json:"id"`
@@ -89,20 +102,20 @@ type messageRow struct {
 // messageColumns is shared by messagesSQL and messageRowSQL. last_error is never read: it
 // holds internal error text, which no page shows (the error message in the conversation,
 // reply_id, holds the generic text users see).
-const messageColumns = `m.id, m.conversation_id, m.content, m.created_at,
+var messageColumns = `m.id, m.conversation_id, ` + clip("m.content", chatTextChars) + `, m.created_at,
 	o.id, o.status, o.attempts, o.available_at, o.lease_expires_at, o.run_id::text, r.worker, r.started_at,
-	p.id, p.role, p.content, p.created_at
+	p.id, p.role, ` + clip("p.content", chatTextChars) + `, p.created_at
 	FROM messages m
 	LEFT JOIN agent_outbox o ON o.message_id = m.id
 	LEFT JOIN agent_runs r ON r.run_id = o.run_id
 	LEFT JOIN messages p ON p.id = o.reply_id`
 
 // messagesSQL reads the latest user messages of a conversation, oldest first.
-const messagesSQL = `SELECT * FROM (SELECT ` + messageColumns + `
+var messagesSQL = `SELECT * FROM (SELECT ` + messageColumns + `
 	WHERE m.conversation_id = $1 AND m.role = 'user'
 	ORDER BY m.created_at DESC, m.id DESC LIMIT $2) x ORDER BY 4, 1`
 
-const messageRowSQL = `SELECT ` + messageColumns + ` WHERE m.id = $1`
+var messageRowSQL = `SELECT ` + messageColumns + ` WHERE m.id = $1`
 
 func scanMessageRow(r pgx.CollectableRow) (messageRow, error) {
 	var m messageRow
@@ -187,7 +200,7 @@ type TimelineReply struct {
 	CreatedAt time.Time `json:"created_at"`
 }
 
-const timelineMessageSQL = `SELECT id, conversation_id, role, content, created_at FROM messages WHERE id = $1`
+var timelineMessageSQL = `SELECT id, conversation_id, role, ` + clip("content", timelineTextChars) + `, created_at FROM messages WHERE id = $1`
 
 // timelineOutboxSQL finds the outbox row of a user message, or the one a reply answered.
 const timelineOutboxSQL = `SELECT id, status, attempts, created_at, available_at, processed_at, run_id::text,
@@ -200,7 +213,7 @@ const timelineRunsSQL = `SELECT run_id::text, worker, started_at, finished_at, o
 const timelineOpsSQL = `SELECT id, run_id::text, tool, effect, status, started_at, finished_at FROM operations
 	WHERE conversation_id = $1 AND run_id = ANY ($2::uuid[]) ORDER BY started_at, id LIMIT $3`
 
-const timelineReplySQL = `SELECT id, role, content, created_at FROM messages WHERE id = $1`
+var timelineReplySQL = `SELECT id, role, ` + clip("content", timelineTextChars) + `, created_at FROM messages WHERE id = $1`
 
 func readTimeline(ctx context.Context, db *pgxpool.Pool, id string) (*Timeline, error) {
 	tl := &Timeline{Runs: []TimelineRun{}, Ops: []TimelineOp{}}
