@@ -16,6 +16,7 @@ import (
 	"github.com/batonhq/baton/consumer"
 	"github.com/batonhq/baton/examples/echo"
 	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/internal/console"
 	"github.com/batonhq/baton/internal/demo"
 	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/migrations"
@@ -55,7 +56,12 @@ messages with neither a reply nor a visible failure after the tail wait), duplic
 stored twice in a stream, or a message answered twice) and commit→reply latency. Ctrl-C stops
 sending, gives the workers a moment to answer what was accepted and reports the rest as
 unfinished, not lost. Exit status 0 when nothing was lost or doubled, 1 otherwise. Logs go to
-stderr at level warn (the workers' at error) unless BATON_LOG_LEVEL or --log-level say otherwise.`
+stderr at level warn (the workers' at error) unless BATON_LOG_LEVEL or --log-level say otherwise.
+
+--console keeps everything running after the summary (the servers, the relay and the workers)
+and serves the web console of baton console on --console-addr (BATON_CONSOLE_ADDR, default
+127.0.0.1:8080), printing its URL, until Ctrl-C: chat with the echo agent and look at each
+message's journey and the system's state.`
 
 // demoOptions are the demo's own flags.
 type demoOptions struct {
@@ -65,6 +71,7 @@ type demoOptions struct {
 	tailTimeout   time.Duration
 	modelLatency  time.Duration
 	failEvery     int
+	console       bool
 }
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -78,9 +85,23 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.DurationVar(&opts.modelLatency, "model-latency", 0, "how long each simulated model call of the workers takes")
 	fs.IntVar(&opts.failEvery, "fail-every", 0,
 		"make every turn of every `N`th conversation fail, ending in visible failures (0: none)")
+	fs.BoolVar(&opts.console, "console", false, "after the run, keep the servers, the relay and the workers running and serve\n"+
+		"the web console (baton console) on --console-addr until interrupted")
+	consoleSettings, err := console.SettingsFromEnv()
+	if err != nil {
+		return err
+	}
+	fs.StringVar(&consoleSettings.Addr, "console-addr", consoleSettings.Addr, "with --console, the console's listen `host:port` [env "+console.EnvAddr+"]")
 	cfg, log, err := configureDemo(fs, args, stderr)
 	if err != nil {
 		return err
+	}
+	var withConsole *console.Settings
+	if opts.console {
+		if err := consoleSettings.Resolve(); err != nil {
+			return usageError{msg: err.Error()}
+		}
+		withConsole = &consoleSettings
 	}
 	switch {
 	case opts.messages < 1:
@@ -123,7 +144,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return err
 	}
-	return runDemoOn(ctx, d, *cfg, opts.modelLatency, log, workerLog, stdout)
+	return runDemoOn(ctx, d, *cfg, opts.modelLatency, log, workerLog, stdout, withConsole)
 }
 
 // configureDemo is configure with warn as the default log level, so the progress line stays
@@ -162,8 +183,12 @@ func isTerminal(w io.Writer) bool {
 // the migrations, runs the relay and the workers in this process, runs d on them and prints
 // its summary. Every resource it starts is released by a defer, on every path. cfg is a copy:
 // the URLs of the servers it starts are filled in.
+//
+// With withConsole set, the workers keep running after the run: the summary is printed, then
+// the console is served (on the demo's servers, with the relay and the workers still running,
+// so messages sent from it are answered) until ctx ends.
 func runDemoOn(ctx context.Context, d *demo.Demo, cfg config.Config, modelLatency time.Duration,
-	log, workerLog *slog.Logger, out io.Writer) (err error) {
+	log, workerLog *slog.Logger, out io.Writer, withConsole *console.Settings) (err error) {
 	// Starting servers is not cut short by Ctrl-C: a half-started server would escape the
 	// defers below. The checks after each step stop the demo instead.
 	startCtx, cancelStart := context.WithTimeout(context.WithoutCancel(ctx), demo.StartTimeout)
@@ -267,14 +292,33 @@ func runDemoOn(ctx context.Context, d *demo.Demo, cfg config.Config, modelLatenc
 	}
 	ws.start(gctx, g)
 	var res *demo.Result
+	summarized := false
 	g.Go(func() error {
 		defer cancelRun() // the run is done: stop the relay (it drains and confirms) and the rest
+		stopWorkers := ws.stop
+		if withConsole != nil {
+			stopWorkers = func() {} // they answer the console's messages; cancelRun stops them
+		}
 		var err error
-		res, err = d.Run(ctx, gctx, demo.Services{Relay: r, NATS: nc, Pool: pool, Producer: prod, StopWorkers: ws.stop})
-		return err
+		res, err = d.Run(ctx, gctx, demo.Services{Relay: r, NATS: nc, Pool: pool, Producer: prod, StopWorkers: stopWorkers})
+		if err != nil || withConsole == nil || ctx.Err() != nil || gctx.Err() != nil {
+			return err
+		}
+		if res.Started {
+			_ = demo.WriteSummary(out, res) // stdout: nothing to do when it fails
+			summarized = true
+		}
+		// Until Ctrl-C (ctx) or the relay or a worker failing (gctx).
+		cctx, cancel := context.WithCancel(gctx)
+		defer cancel()
+		defer context.AfterFunc(ctx, cancel)()
+		fmt.Fprintf(out, "serving the console until interrupted; the relay and the workers keep running\n")
+		return serveConsole(cctx, &cfg, *withConsole, log, func(url string) {
+			fmt.Fprintf(out, "console on %s\n", url)
+		})
 	})
 	err = g.Wait()
-	if res != nil && res.Started {
+	if res != nil && res.Started && !summarized {
 		_ = demo.WriteSummary(out, res) // stdout: nothing to do when it fails
 	}
 	if err != nil {

@@ -35,6 +35,7 @@ type command struct {
 
 var commands = map[string]command{
 	"bench":   {summary: benchSummary, run: runBench},
+	"console": {summary: consoleSummary, run: runConsole},
 	"demo":    {summary: demoSummary, run: runDemo},
 	"migrate": {summary: migrateSummary, run: runMigrate},
 	"relay":   {summary: relaySummary, run: runRelay},

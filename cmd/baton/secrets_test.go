@@ -350,6 +350,7 @@ func TestSecretsNeverReachOutput(t *testing.T) {
 				env: slices.Concat(env, []string{"BATON_SLOT=demo_" + strconv.Itoa(len(runs))})},
 			program{name: name + "subscriber", bin: subscriber, args: []string{"--durable", "secrets" + strconv.Itoa(len(runs))}, env: env,
 				until: "outcomes"},
+			program{name: name + "console", bin: baton, args: []string{"console", "--addr", "127.0.0.1:0"}, env: env, until: "console on"},
 		)
 	}
 
@@ -396,6 +397,7 @@ func batonRuns(name, baton string, env []string, relayUntil string) []program {
 			"--latency-duration", "1s"}, env: env},
 		{name: name + "bench turns", bin: baton, args: []string{"bench", "turns", "--turns", "10", "--rounds", "1"}, env: env},
 		{name: name + "demo", bin: baton, args: []string{"demo", "--messages", "1", "--conversations", "1"}, env: env},
+		{name: name + "console", bin: baton, args: []string{"console", "--addr", "127.0.0.1:0"}, env: env},
 		{name: name + "version", bin: baton, args: []string{"version"}, env: env},
 		{name: name + "usage error", bin: baton, args: []string{"status", "--no-such-flag"}, env: env},
 	}

@@ -29,7 +29,7 @@ import (
 
 // roleNameRE finds the role names in roles.sql. Roles are cluster-wide and tests share a
 // cluster, so each test renames them; \b keeps table names such as baton_relay_slots intact.
-var roleNameRE = regexp.MustCompile(`\bbaton_(app|relay|worker|migrator)\b`)
+var roleNameRE = regexp.MustCompile(`\bbaton_(app|relay|worker|migrator|console)\b`)
 
 // Baton's roles, as named in roles.sql.
 const (
@@ -37,6 +37,7 @@ const (
 	roleRelay    = "relay"
 	roleWorker   = "worker"
 	roleMigrator = "migrator"
+	roleConsole  = "console"
 )
 
 // roleSet is roles.sql's roles under names of one test's own.
@@ -61,7 +62,7 @@ func newRoleSet(t *testing.T, db *testsvc.Database, dbURL string) *roleSet {
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		for _, r := range []string{roleApp, roleRelay, roleWorker, roleMigrator} {
+		for _, r := range []string{roleApp, roleRelay, roleWorker, roleMigrator, roleConsole} {
 			name := pgx.Identifier{rs.name(r)}.Sanitize()
 			var exists bool
 			if err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)`, rs.name(r)).Scan(&exists); err != nil {
@@ -94,7 +95,7 @@ func (rs *roleSet) apply(t *testing.T) {
 	defer func() { _ = conn.Close(ctx) }()
 	_, err = conn.Exec(ctx, rs.sql)
 	require.NoError(t, err, "apply roles.sql")
-	for _, r := range []string{roleApp, roleRelay, roleWorker, roleMigrator} {
+	for _, r := range []string{roleApp, roleRelay, roleWorker, roleMigrator, roleConsole} {
 		_, err := conn.Exec(ctx, "ALTER ROLE "+pgx.Identifier{rs.name(r)}.Sanitize()+" PASSWORD "+quote(rs.password))
 		require.NoError(t, err)
 	}
@@ -316,6 +317,59 @@ func TestRolesApp(t *testing.T) {
 	var n int
 	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM agent_outbox WHERE status = 'pending' AND attempts = 0`).Scan(&n))
 	require.Equal(t, 2, n, "the app's rows are pending with no attempts, and nothing else was written")
+}
+
+// TestRolesConsole: baton_console reads every table its pages show, including the worker's
+// replies (its own SELECT policy on messages), sends exactly as baton_app does, and writes
+// nothing else.
+func TestRolesConsole(t *testing.T) {
+	t.Parallel()
+	db, rs := setupRoles(t)
+	ctx := context.Background()
+	console := rs.pool(t, roleConsole)
+	p := newProducer(t)
+
+	_, err := p.CreateConversation(ctx, console, "conv-1")
+	require.NoError(t, err)
+	msg := producer.Message{ConversationID: "conv-1", ID: "msg-1", Content: "hello"}
+	res, err := p.Send(ctx, console, msg)
+	require.NoError(t, err)
+	again, err := p.Send(ctx, console, msg)
+	require.NoError(t, err)
+	require.True(t, again.AlreadyAccepted)
+	require.Equal(t, res.OutboxID, again.OutboxID)
+
+	// A reply written by the owner: the console sees it through its policy.
+	_, err = db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('baton:reply:1', 'conv-1', 'assistant', 'hi')`)
+	require.NoError(t, err)
+	var n int
+	require.NoError(t, console.QueryRow(ctx, `SELECT count(*) FROM messages`).Scan(&n))
+	require.Equal(t, 2, n)
+	for _, q := range []string{`SELECT count(*) FROM agent_outbox`, `SELECT count(*) FROM operations`,
+		`SELECT count(*) FROM agent_runs`, `SELECT count(*) FROM conversations`, `SELECT count(*) FROM baton_schema_migrations`} {
+		require.NoError(t, console.QueryRow(ctx, q).Scan(&n), q)
+	}
+
+	_, err = console.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('msg-3', 'conv-1', 'user', 'x')`)
+	require.NoError(t, err)
+	refusals(t, console, map[string]string{
+		"insert with status":   `INSERT INTO agent_outbox (conversation_id, message_id, status) VALUES ('conv-1', 'msg-3', 'done')`,
+		"update outbox":        `UPDATE agent_outbox SET status = 'done'`,
+		"update message":       `UPDATE messages SET content = 'changed'`,
+		"update conversation":  `UPDATE conversations SET unread_count = 0`,
+		"delete outbox":        `DELETE FROM agent_outbox`,
+		"delete messages":      `DELETE FROM messages`,
+		"delete conversations": `DELETE FROM conversations`,
+		"update runs":          `UPDATE agent_runs SET outcome = 'done'`,
+		"insert operations":    `INSERT INTO operations (run_id, conversation_id, tool, effect) VALUES (gen_random_uuid(), 'conv-1', 't', 'read')`,
+		"select relay slots":   `SELECT * FROM baton_relay_slots`,
+		"fence":                `SELECT baton_fence(true, 'x')`,
+		"create table":         `CREATE TABLE console_table (id int)`,
+	})
+	refusalsWith(t, console, map[string]string{
+		"insert assistant message": `INSERT INTO messages (id, conversation_id, role, content) VALUES ('forged', 'conv-1', 'assistant', 'x')`,
+		"insert error message":     `INSERT INTO messages (id, conversation_id, role, content) VALUES ('forged', 'conv-1', 'error', 'x')`,
+	}, requireRowSecurity)
 }
 
 // echoHandler answers each turn with its messages, after a read tool call; turns of the
@@ -682,7 +736,7 @@ func TestRolesConverge(t *testing.T) {
 	ctx := context.Background()
 	want := privilegeState(t, db.Pool)
 	var drift []string
-	for _, r := range []string{roleApp, roleRelay, roleWorker} {
+	for _, r := range []string{roleApp, roleRelay, roleWorker, roleConsole} {
 		name := pgx.Identifier{rs.name(r)}.Sanitize()
 		drift = append(drift,
 			`GRANT ALL ON ALL TABLES IN SCHEMA public TO `+name,

@@ -6,6 +6,8 @@
 --   baton_relay     `baton relay`: REPLICATION, reads the outbox's queue columns (first-start
 --                   backfill), records its slots. It cannot read messages.
 --   baton_worker    agent workers (the consumer package): claims, leases and final commits.
+--   baton_console   `baton console`: reads Baton's tables (it shows every message and the
+--                   system's state) and sends user messages with baton_app's insert rights.
 --
 -- Run it as a superuser (or as the database owner with CREATEROLE and REPLICATION, who is also a
 -- member of baton_migrator once the schema is owned by it), connected to the Baton database:
@@ -77,6 +79,9 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'baton_worker') THEN
         CREATE ROLE baton_worker LOGIN;
     END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'baton_console') THEN
+        CREATE ROLE baton_console LOGIN;
+    END IF;
 END
 $$;
 
@@ -94,7 +99,7 @@ DECLARE
     left_over text;
 BEGIN
     FOR r IN SELECT rolname, rolreplication FROM pg_roles
-             WHERE rolname IN ('baton_app', 'baton_relay', 'baton_worker')
+             WHERE rolname IN ('baton_app', 'baton_relay', 'baton_worker', 'baton_console')
                AND (rolsuper OR rolbypassrls OR rolcreaterole OR rolcreatedb
                     OR (rolreplication AND rolname <> 'baton_relay')) LOOP
         EXECUTE format('ALTER ROLE %I WITH NOSUPERUSER NOBYPASSRLS NOCREATEROLE NOCREATEDB', r.rolname);
@@ -104,16 +109,16 @@ BEGIN
     END LOOP;
     FOR r IN SELECT m.rolname AS member, g.rolname AS grp
              FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member JOIN pg_roles g ON g.oid = a.roleid
-             WHERE m.rolname IN ('baton_app', 'baton_relay', 'baton_worker')
-               AND g.rolname IN ('baton_migrator', 'baton_app', 'baton_relay', 'baton_worker',
+             WHERE m.rolname IN ('baton_app', 'baton_relay', 'baton_worker', 'baton_console')
+               AND g.rolname IN ('baton_migrator', 'baton_app', 'baton_relay', 'baton_worker', 'baton_console',
                                  'pg_read_all_data', 'pg_write_all_data') LOOP
         EXECUTE format('REVOKE %I FROM %I', r.grp, r.member);
     END LOOP;
     -- A membership granted by another role than the one running this file may survive REVOKE.
     SELECT string_agg(g.rolname || ' to ' || m.rolname, ', ') INTO left_over
     FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member JOIN pg_roles g ON g.oid = a.roleid
-    WHERE m.rolname IN ('baton_app', 'baton_relay', 'baton_worker')
-      AND g.rolname IN ('baton_migrator', 'baton_app', 'baton_relay', 'baton_worker',
+    WHERE m.rolname IN ('baton_app', 'baton_relay', 'baton_worker', 'baton_console')
+      AND g.rolname IN ('baton_migrator', 'baton_app', 'baton_relay', 'baton_worker', 'baton_console',
                         'pg_read_all_data', 'pg_write_all_data');
     IF left_over IS NOT NULL THEN
         RAISE EXCEPTION 'revoke these role grants by hand (as the role that granted them): %', left_over;
@@ -125,14 +130,14 @@ $$;
 -- publication; CREATE on the schema lets it create tables.
 DO $$
 BEGIN
-    EXECUTE format('GRANT CONNECT ON DATABASE %I TO baton_migrator, baton_app, baton_relay, baton_worker',
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO baton_migrator, baton_app, baton_relay, baton_worker, baton_console',
                    current_database());
     EXECUTE format('GRANT CREATE ON DATABASE %I TO baton_migrator', current_database());
 END
 $$;
 REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 GRANT USAGE, CREATE ON SCHEMA public TO baton_migrator;
-GRANT USAGE ON SCHEMA public TO baton_app, baton_relay, baton_worker;
+GRANT USAGE ON SCHEMA public TO baton_app, baton_relay, baton_worker, baton_console;
 
 -- Ownership and table privileges, once `baton migrate` created the schema.
 DO $$
@@ -169,8 +174,8 @@ BEGIN
     -- table's privileges also revokes its column privileges.
     REVOKE ALL ON public.conversations, public.messages, public.agent_outbox, public.operations,
         public.agent_runs, public.baton_relay_slots, public.baton_schema_migrations
-        FROM PUBLIC, baton_app, baton_relay, baton_worker;
-    REVOKE ALL ON FUNCTION public.baton_fence(boolean, text) FROM PUBLIC, baton_app, baton_relay, baton_worker;
+        FROM PUBLIC, baton_app, baton_relay, baton_worker, baton_console;
+    REVOKE ALL ON FUNCTION public.baton_fence(boolean, text) FROM PUBLIC, baton_app, baton_relay, baton_worker, baton_console;
 
     -- baton_app: producer.CreateConversation, producer.Send and SendTx (which read back the
     -- message and outbox row of a retried id), and reading the conversation. Queue fields keep
@@ -202,6 +207,15 @@ BEGIN
         ON public.agent_runs TO baton_worker;
     GRANT EXECUTE ON FUNCTION public.baton_fence(boolean, text) TO baton_worker;
 
+    -- baton_console: reads what its pages show (conversations, messages, outbox rows, runs,
+    -- operations, the schema version; the slot comes from pg_replication_slots, readable by
+    -- all) and sends like baton_app: exactly its insert rights, user messages only (the
+    -- policies below). It updates and deletes nothing.
+    GRANT SELECT, INSERT (id) ON public.conversations TO baton_console;
+    GRANT SELECT, INSERT (id, conversation_id, role, content) ON public.messages TO baton_console;
+    GRANT SELECT, INSERT (conversation_id, message_id) ON public.agent_outbox TO baton_console;
+    GRANT SELECT ON public.operations, public.agent_runs, public.baton_schema_migrations TO baton_console;
+
     -- Who may write which messages: the app user messages, the worker replies. Policies are
     -- dropped and created again, so running this file again converges; the owner is exempt.
     ALTER TABLE public.messages ENABLE ROW LEVEL SECURITY;
@@ -209,11 +223,16 @@ BEGIN
     DROP POLICY IF EXISTS messages_app_insert ON public.messages;
     DROP POLICY IF EXISTS messages_worker_select ON public.messages;
     DROP POLICY IF EXISTS messages_worker_insert ON public.messages;
+    DROP POLICY IF EXISTS messages_console_select ON public.messages;
+    DROP POLICY IF EXISTS messages_console_insert ON public.messages;
     CREATE POLICY messages_app_select ON public.messages FOR SELECT TO baton_app USING (true);
     CREATE POLICY messages_app_insert ON public.messages FOR INSERT TO baton_app
         WITH CHECK (role = 'user');
     CREATE POLICY messages_worker_select ON public.messages FOR SELECT TO baton_worker USING (true);
     CREATE POLICY messages_worker_insert ON public.messages FOR INSERT TO baton_worker
         WITH CHECK (role IN ('assistant', 'error'));
+    CREATE POLICY messages_console_select ON public.messages FOR SELECT TO baton_console USING (true);
+    CREATE POLICY messages_console_insert ON public.messages FOR INSERT TO baton_console
+        WITH CHECK (role = 'user');
 END
 $$;

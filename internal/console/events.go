@@ -1,0 +1,107 @@
+package console
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"time"
+)
+
+// Event stream timings.
+const (
+	// keepaliveEvery is how often an idle stream gets a comment line, so that a dead client is
+	// noticed by a failing write and a proxy does not close the stream.
+	keepaliveEvery = 15 * time.Second
+	// writeTimeout bounds one write to a stream: a client that stops reading is dropped.
+	writeTimeout = 10 * time.Second
+)
+
+// messagesEvent is the data of an event of type "messages": the views of the messages that
+// changed since the last event (all of them in the first one, with full set).
+type messagesEvent struct {
+	ConversationID string        `json:"conversation_id"`
+	Full           bool          `json:"full"`
+	Messages       []MessageView `json:"messages"`
+}
+
+// handleEvents streams a conversation's message states as Server-Sent Events: first every
+// message (full), then each message whose view changed. It reads the rows every PollInterval
+// and at once when the conversation's outcome is published (Run) or a message is sent through
+// this console. The stream ends with its request's context: the client leaving, or Serve
+// stopping.
+func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
+	if n := s.streams.Add(1); n > int64(s.cfg.MaxStreams) {
+		s.streams.Add(-1)
+		writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("too many open event streams (at most %d)", s.cfg.MaxStreams))
+		return
+	}
+	defer s.streams.Add(-1)
+	conv, ok := s.conversationFromPath(w, r)
+	if !ok {
+		return
+	}
+	ctx := r.Context()
+	rc := http.NewResponseController(w)
+	wake, unwatch := s.watch(conv)
+	defer unwatch()
+
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-store")
+	w.Header().Set("X-Accel-Buffering", "no")
+	w.WriteHeader(http.StatusOK)
+	write := func(payload []byte) bool {
+		_ = rc.SetWriteDeadline(time.Now().Add(writeTimeout))
+		if _, err := w.Write(payload); err != nil {
+			return false
+		}
+		return rc.Flush() == nil
+	}
+	// The browser's EventSource reconnects after this long when the stream breaks.
+	if !write([]byte("retry: 1000\n\n")) {
+		return
+	}
+
+	poll := time.NewTicker(s.cfg.PollInterval)
+	defer poll.Stop()
+	keepalive := time.NewTicker(keepaliveEvery)
+	defer keepalive.Stop()
+	var last map[string]MessageView
+	for {
+		rows, err := conversationMessages(ctx, s.cfg.Pool, conv)
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			// The database is away: say nothing new, try again at the next poll.
+			s.log.Warn("console: read conversation for a stream", "conversation_id", conv, "error", err)
+		} else {
+			diff, idx := changed(last, views(rows))
+			if last == nil || len(diff) > 0 {
+				ev := messagesEvent{ConversationID: conv, Full: last == nil, Messages: diff}
+				if ev.Messages == nil {
+					ev.Messages = []MessageView{}
+				}
+				data, err := json.Marshal(ev)
+				if err != nil {
+					s.log.Error("console: encode event", "error", err)
+					return
+				}
+				if !write([]byte("event: messages\ndata: " + string(data) + "\n\n")) {
+					return
+				}
+				keepalive.Reset(keepaliveEvery)
+			}
+			last = idx
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-poll.C:
+		case <-wake:
+		case <-keepalive.C:
+			if !write([]byte(": keepalive\n\n")) {
+				return
+			}
+		}
+	}
+}
