@@ -11,7 +11,7 @@ GOLANGCI_LINT_VERSION := v2.15.0
 GOLANGCI_LINT ?= $(firstword $(subst :, ,$(shell $(GO) env GOPATH)))/bin/golangci-lint
 
 .DEFAULT_GOAL := help
-.PHONY: conflict-check help test lint fmt-check vet golangci-lint golangci-lint-install bench demo build fuzz
+.PHONY: conflict-check help test lint fmt-check vet golangci-lint golangci-lint-install bench demo build fuzz screenshots
 
 help: ## list the targets
 	@awk 'BEGIN { FS = ":.*## " } /^[a-zA-Z_-]+:.*## / { printf "  %-8s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
@@ -70,6 +70,11 @@ bench: ## run the benchmarks
 
 demo: ## run the end-to-end demo (go run ./cmd/baton demo)
 	$(GO) run ./cmd/baton demo
+
+# The console's browser tests take the README's pictures; `make test` runs the same tests with
+# the pictures going to a temp dir, so CI never modifies tracked files.
+screenshots: ## run the console's browser tests (needs chromium) and write their screenshots to docs/
+	BATON_SCREENSHOTS_DIR=$(CURDIR)/docs $(GO) test -count=1 -run 'TestConsole' ./e2e/console
 
 build: ## build bin/baton with the version stamped in (VERSION=...)
 	$(GO) build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/baton

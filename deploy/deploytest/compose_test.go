@@ -339,6 +339,8 @@ func TestComposePrograms(t *testing.T) {
 					require.Equal(t, "baton_worker", user, "%s logs in as the worker role", name)
 				case prog == progBaton && len(s.Command) > 0 && s.Command[0] == "migrate":
 					require.Equal(t, "baton_migrator", user, "%s logs in as the migrator role", name)
+				case prog == progBaton && len(s.Command) > 0 && s.Command[0] == "console":
+					require.Equal(t, "baton_console", user, "%s logs in as the console role", name)
 				default:
 					require.Contains(t, roles, user, "%s logs in as a role of roles.sql", name)
 				}
@@ -381,7 +383,7 @@ func rolesInRolesSQL(t *testing.T) []string {
 		roles = append(roles, m[1])
 	}
 	slices.Sort(roles)
-	require.Equal(t, []string{"baton_app", "baton_migrator", "baton_relay", "baton_worker"}, roles)
+	require.Equal(t, []string{"baton_app", "baton_console", "baton_migrator", "baton_relay", "baton_worker"}, roles)
 	return roles
 }
 

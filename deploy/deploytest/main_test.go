@@ -96,8 +96,10 @@ type usage struct {
 
 var (
 	flagLineRE = regexp.MustCompile(`(?m)^  -([A-Za-z0-9][A-Za-z0-9_-]*)`)
-	envRE      = regexp.MustCompile(`\[env (BATON_[A-Z0-9_]+)\]`)
-	commandRE  = regexp.MustCompile(`^  ([a-z][a-z0-9-]*)\s`)
+	// envRE finds a flag's variables: [env X], or [env X; or Y] for a variable without a flag
+	// of its own (a password is never a flag: it would show in the process list).
+	envRE     = regexp.MustCompile(`\[env (BATON_[A-Z0-9_]+)(?:; or (BATON_[A-Z0-9_]+))?\]`)
+	commandRE = regexp.MustCompile(`^  ([a-z][a-z0-9-]*)\s`)
 )
 
 func parseUsage(out string) usage {
@@ -106,7 +108,11 @@ func parseUsage(out string) usage {
 		u.flags[m[1]] = true
 	}
 	for _, m := range envRE.FindAllStringSubmatch(out, -1) {
-		u.env[m[1]] = true
+		for _, v := range m[1:] {
+			if v != "" {
+				u.env[v] = true
+			}
+		}
 	}
 	return u
 }

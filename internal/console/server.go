@@ -108,10 +108,28 @@ func (s *Server) routes() {
 
 // Handler returns the console's HTTP handler: /healthz answers without auth, everything else
 // asks for it when configured.
+//
+// Two guards keep other sites' pages, open in the operator's browser, out:
+//   - a cross-origin request that is not a read (a form posting text/plain needs no CORS
+//     preflight) is refused (http.CrossOriginProtection, by Sec-Fetch-Site or Origin), so no
+//     page can send a message through the console;
+//   - without auth (a loopback address then), a Host header that is not a loopback name is
+//     refused: a site whose own name resolves to 127.0.0.1 (DNS rebinding) is same-origin
+//     with itself, not with the console, and would otherwise read every conversation. With auth,
+//     any name is fine: the browser sends the credentials only to the origin they were given
+//     for.
 func (s *Server) Handler() http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	cross := http.NewCrossOriginProtection()
+	cross.SetDenyHandler(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		writeError(w, http.StatusForbidden, "cross-origin request refused: send from the console's own page")
+	}))
+	return cross.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/healthz" {
 			_, _ = io.WriteString(w, "ok\n")
+			return
+		}
+		if s.cfg.User == "" && !loopbackHost(r.Host) {
+			writeError(w, http.StatusForbidden, "the console without auth answers only to a loopback host name (localhost, 127.0.0.1, [::1])")
 			return
 		}
 		if s.cfg.User != "" && !s.authorized(r) {
@@ -124,7 +142,17 @@ func (s *Server) Handler() http.Handler {
 		w.Header().Set("X-Frame-Options", "DENY")
 		w.Header().Set("Referrer-Policy", "no-referrer")
 		s.mux.ServeHTTP(w, r)
-	})
+	}))
+}
+
+// loopbackHost reports whether a request's Host header names this machine's loopback: a
+// loopback IP or localhost, with or without a port.
+func loopbackHost(hostport string) bool {
+	host := hostport
+	if h, _, err := net.SplitHostPort(hostport); err == nil {
+		host = h
+	}
+	return IsLoopback(host)
 }
 
 // authorized compares the basic auth credentials in constant time: the hashes have one length
