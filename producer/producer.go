@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // DefaultMaxContentBytes is Config.MaxContentBytes when it is left zero: 1 MiB.
@@ -148,6 +150,13 @@ type querier interface {
 //
 // If Send returns a network error, the write may or may not have committed: call Send again with
 // the same message to find out.
+//
+// Tracing: when ctx carries a valid OpenTelemetry span context (the caller's span), Send stores
+// its W3C traceparent in the outbox row's trace_context, and the turn and its outcome join that
+// trace (see wire.HeaderTraceparent). It uses the W3C propagator itself, not the global one, so
+// this works whether or not the application configured OpenTelemetry. Without a span the column
+// is NULL and tracing costs nothing. A retry that finds the message written keeps the first
+// call's trace.
 func (p *Producer) Send(ctx context.Context, db DB, msg Message) (Result, error) {
 	return p.send(ctx, db, msg, false)
 }
@@ -166,8 +175,8 @@ func (p *Producer) SendTx(ctx context.Context, tx pgx.Tx, msg Message) (Result, 
 }
 
 // insertSQL writes the message and its outbox row in one statement: one round trip and, without
-// an enclosing transaction, one transaction. The outbox insert names only conversation_id and
-// message_id, so status, attempts and the claim columns are always the table's defaults.
+// an enclosing transaction, one transaction. The outbox insert names only conversation_id,
+// message_id and trace_context, so status, attempts and the claim columns are always the table's defaults.
 //
 // When the id is taken, m is empty, the outbox insert selects nothing and the statement returns
 // no row; send then reads the existing message with lookupSQL. That is a second statement, and
@@ -175,6 +184,8 @@ func (p *Producer) SendTx(ctx context.Context, tx pgx.Tx, msg Message) (Result, 
 // transaction: ON CONFLICT waits for that transaction to commit, and its row is newer than this
 // statement's snapshot. (Answering retries from this statement too, with a UNION over messages,
 // cost about a fifth of the throughput of new messages, the case that matters.)
+//
+// The outbox row's trace_context ($4) is the sender's traceparent, or NULL.
 //
 // ON CONFLICT names no index: messages has two unique ones, id and (conversation_id, id,
 // role), which the outbox's foreign key references, and a concurrent retry of the same id may
@@ -189,8 +200,8 @@ WITH m AS (
 	ON CONFLICT DO NOTHING
 	RETURNING id, conversation_id
 )
-INSERT INTO {agent_outbox} (conversation_id, message_id)
-SELECT conversation_id, id FROM m
+INSERT INTO {agent_outbox} (conversation_id, message_id, trace_context)
+SELECT conversation_id, id, $4::text FROM m
 RETURNING id, created_at`
 
 // lookupSQL reads the outbox row of the message that holds an id, and whether that message is
@@ -219,9 +230,10 @@ func (p *Producer) send(ctx context.Context, q querier, msg Message, inTx bool) 
 	wrap := func(err error) error {
 		return fmt.Errorf("send message %q to conversation %q: %w", msg.ID, msg.ConversationID, err)
 	}
+	tc := traceContext(ctx)
 	for attempt := 1; ; attempt++ {
 		var res Result
-		err := q.QueryRow(ctx, p.sql.insert, msg.ID, msg.ConversationID, msg.Content).Scan(&res.OutboxID, &res.CreatedAt)
+		err := q.QueryRow(ctx, p.sql.insert, msg.ID, msg.ConversationID, msg.Content, tc).Scan(&res.OutboxID, &res.CreatedAt)
 		if errors.Is(err, pgx.ErrNoRows) {
 			// The id is taken: a retry, or a different message.
 			var e existing
@@ -251,6 +263,39 @@ func (p *Producer) send(ctx context.Context, q querier, msg Message, inTx bool) 
 		return res, nil
 	}
 }
+
+// traceContext returns the W3C traceparent of the span context ctx carries, for the outbox
+// row's trace_context, or nil (NULL) when it carries none. Without a span it allocates nothing.
+func traceContext(ctx context.Context) any {
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		return nil
+	}
+	var c traceparentCarrier
+	propagation.TraceContext{}.Inject(ctx, &c)
+	if c.traceparent == "" {
+		return nil
+	}
+	return c.traceparent
+}
+
+// traceparentCarrier keeps the traceparent a propagator injects and ignores the rest
+// (tracestate is not stored).
+type traceparentCarrier struct{ traceparent string }
+
+func (c *traceparentCarrier) Get(key string) string {
+	if key == "traceparent" {
+		return c.traceparent
+	}
+	return ""
+}
+
+func (c *traceparentCarrier) Set(key, value string) {
+	if key == "traceparent" {
+		c.traceparent = value
+	}
+}
+
+func (c *traceparentCarrier) Keys() []string { return []string{"traceparent"} }
 
 // result turns an existing message into the Result of a retry, or an ErrConflict.
 //
