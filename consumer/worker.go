@@ -50,11 +50,11 @@ func New(cfg Config) (*Worker, error) {
 		return nil, err
 	}
 	w := &Worker{
-		cfg:   cfg,
-		m:     newMetrics(cfg.Registerer),
-		clock: realClock{},
-		sem:   make(chan struct{}, cfg.MaxConcurrentTurns),
-		convs: map[string]*convState{},
+		cfg:    cfg,
+		m:      newMetrics(cfg.Registerer),
+		clock:  realClock{},
+		sem:    make(chan struct{}, cfg.MaxConcurrentTurns),
+		convs:  map[string]*convState{},
 		tracer: newTracer(cfg.TracerProvider),
 	}
 	w.store = &store{pool: cfg.Pool, lease: cfg.Lease, maxAttempts: cfg.MaxAttempts, backoff: cfg.backoff, worker: cfg.Name,
