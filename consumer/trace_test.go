@@ -102,7 +102,7 @@ func TestOneMessageIsOneConnectedTrace(t *testing.T) {
 			require.True(t, ts.Parent.IsRemote())
 			attrs := map[string]string{}
 			for _, a := range ts.Attributes {
-				attrs[string(a.Key)] = a.Value.Emit()
+				attrs[string(a.Key)] = a.Value.String()
 			}
 			require.Equal(t, "c", attrs["baton.conversation_id"])
 			require.Equal(t, `["m1"]`, attrs["baton.message_ids"])
