@@ -60,7 +60,7 @@ type Producer struct {
 
 // statements are the producer's SQL with the tables qualified by the configured schema.
 type statements struct {
-	insert, lookup, createConversation string
+	insert, insertTraced, lookup, createConversation string
 }
 
 func newStatements(schema string) statements {
@@ -73,6 +73,7 @@ func newStatements(schema string) statements {
 		"{conversations}", pgx.Identifier{schema, "conversations"}.Sanitize())
 	return statements{
 		insert:             r.Replace(insertSQL),
+		insertTraced:       r.Replace(insertTracedSQL),
 		lookup:             r.Replace(lookupSQL),
 		createConversation: r.Replace(createConversationSQL),
 	}
@@ -175,8 +176,8 @@ func (p *Producer) SendTx(ctx context.Context, tx pgx.Tx, msg Message) (Result, 
 }
 
 // insertSQL writes the message and its outbox row in one statement: one round trip and, without
-// an enclosing transaction, one transaction. The outbox insert names only conversation_id,
-// message_id and trace_context, so status, attempts and the claim columns are always the table's defaults.
+// an enclosing transaction, one transaction. The outbox insert names only conversation_id and
+// message_id, so status, attempts and the claim columns are always the table's defaults.
 //
 // When the id is taken, m is empty, the outbox insert selects nothing and the statement returns
 // no row; send then reads the existing message with lookupSQL. That is a second statement, and
@@ -184,8 +185,6 @@ func (p *Producer) SendTx(ctx context.Context, tx pgx.Tx, msg Message) (Result, 
 // transaction: ON CONFLICT waits for that transaction to commit, and its row is newer than this
 // statement's snapshot. (Answering retries from this statement too, with a UNION over messages,
 // cost about a fifth of the throughput of new messages, the case that matters.)
-//
-// The outbox row's trace_context ($4) is the sender's traceparent, or NULL.
 //
 // ON CONFLICT names no index: messages has two unique ones, id and (conversation_id, id,
 // role), which the outbox's foreign key references, and a concurrent retry of the same id may
@@ -200,9 +199,17 @@ WITH m AS (
 	ON CONFLICT DO NOTHING
 	RETURNING id, conversation_id
 )
-INSERT INTO {agent_outbox} (conversation_id, message_id, trace_context)
-SELECT conversation_id, id, $4::text FROM m
+INSERT INTO {agent_outbox} (conversation_id, message_id)
+SELECT conversation_id, id FROM m
 RETURNING id, created_at`
+
+// insertTracedSQL is insertSQL that also stores the sender's traceparent ($4) in the outbox
+// row's trace_context. It is a statement of its own, so that a sender without a span names no
+// column that a database not yet migrated to version 8, or an app role not yet granted it
+// (deploy/postgres/roles.sql), lacks.
+var insertTracedSQL = strings.Replace(strings.Replace(insertSQL,
+	"(conversation_id, message_id)\n", "(conversation_id, message_id, trace_context)\n", 1),
+	"SELECT conversation_id, id FROM m", "SELECT conversation_id, id, $4::text FROM m", 1)
 
 // lookupSQL reads the outbox row of the message that holds an id, and whether that message is
 // the one being sent: same conversation, a user message, same content. It answers one boolean,
@@ -233,7 +240,13 @@ func (p *Producer) send(ctx context.Context, q querier, msg Message, inTx bool) 
 	tc := traceContext(ctx)
 	for attempt := 1; ; attempt++ {
 		var res Result
-		err := q.QueryRow(ctx, p.sql.insert, msg.ID, msg.ConversationID, msg.Content, tc).Scan(&res.OutboxID, &res.CreatedAt)
+		var row pgx.Row
+		if tc == "" {
+			row = q.QueryRow(ctx, p.sql.insert, msg.ID, msg.ConversationID, msg.Content)
+		} else {
+			row = q.QueryRow(ctx, p.sql.insertTraced, msg.ID, msg.ConversationID, msg.Content, tc)
+		}
+		err := row.Scan(&res.OutboxID, &res.CreatedAt)
 		if errors.Is(err, pgx.ErrNoRows) {
 			// The id is taken: a retry, or a different message.
 			var e existing
@@ -265,16 +278,13 @@ func (p *Producer) send(ctx context.Context, q querier, msg Message, inTx bool) 
 }
 
 // traceContext returns the W3C traceparent of the span context ctx carries, for the outbox
-// row's trace_context, or nil (NULL) when it carries none. Without a span it allocates nothing.
-func traceContext(ctx context.Context) any {
+// row's trace_context, or "" when it carries none. Without a span it allocates nothing.
+func traceContext(ctx context.Context) string {
 	if !trace.SpanContextFromContext(ctx).IsValid() {
-		return nil
+		return ""
 	}
 	var c traceparentCarrier
 	propagation.TraceContext{}.Inject(ctx, &c)
-	if c.traceparent == "" {
-		return nil
-	}
 	return c.traceparent
 }
 

@@ -61,3 +61,15 @@ func TestTraceContextWithoutSpanAllocatesNothing(t *testing.T) {
 	ctx := context.Background()
 	require.Zero(t, testing.AllocsPerRun(100, func() { _ = producer.TraceContextForTest(ctx) }))
 }
+
+// A send without a span names no trace_context: it works on a schema before version 8 (or for
+// an app role not yet granted the column), as during a rolling upgrade.
+func TestSendWithoutSpanNeedsNoTraceContextColumn(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.conversation(t, "c")
+	b.exec(t, `ALTER TABLE agent_outbox DROP COLUMN trace_context`)
+	_, err := b.p.Send(b.ctx, b.db.Pool, producer.Message{ConversationID: "c", ID: "m1", Content: "hi"})
+	require.NoError(t, err)
+	b.requireRows(t, 1, 1)
+}

@@ -12,7 +12,8 @@
 --
 --   psql -v ON_ERROR_STOP=1 -d baton -f deploy/postgres/roles.sql
 --
--- It is safe to run again, and must be run again after every `baton migrate` that adds tables:
+-- It is safe to run again, and must be run again after every `baton migrate` that adds tables or
+-- columns Baton writes (version 8: trace_context):
 -- roles are created when missing, and every table's privileges are reset to exactly what is
 -- granted here. Run on a database without Baton's schema, it creates the roles and the schema
 -- privileges the migrator needs and stops there (first install: roles.sql, `baton migrate` as
