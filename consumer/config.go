@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/batonhq/baton/internal/config"
 	"github.com/batonhq/baton/wire"
@@ -133,6 +134,9 @@ type Config struct {
 	Logger *slog.Logger
 	// Registerer receives the worker's metrics. Default: none registered.
 	Registerer prometheus.Registerer
+	// TracerProvider makes the turns' spans (see TracerName). Default (nil): the global one,
+	// otel.GetTracerProvider(), which records nothing until an application installs one.
+	TracerProvider trace.TracerProvider
 }
 
 // ErrConfig wraps every configuration error.

@@ -112,10 +112,11 @@ func (l *convLoop) run(ctx context.Context, since time.Time) {
 			return
 		}
 		runID := newRunID()
+		claimed := time.Now() // span timestamps are wall time, whatever the worker's clock
 		c, err := w.claims.do(ctx, claimReq{l.conv, runID})
 		var terminal []int64
 		if err == nil && len(c.ids) > 0 {
-			terminal = w.runTurn(ctx, l.conv, runID, c)
+			terminal = w.runTurn(ctx, l.conv, runID, c, claimed)
 		}
 		<-w.sem
 		if err != nil {

@@ -35,4 +35,9 @@
 //     Postgres says the request is finished.
 //   - A conversation deleted during a turn fails the final commit on its foreign key: the
 //     result is discarded, the events are acked, and nothing is recreated.
+//
+// Tracing: each turn is an OpenTelemetry span, a child of the sender's span read from the
+// claimed rows' trace_context (whichever source fed the worker), with spans for its claim,
+// tool calls and commit; the reply stores the turn span's traceparent for its outcome event.
+// See TracerName and Config.TracerProvider. Without a provider installed, spans are no-ops.
 package consumer

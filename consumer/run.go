@@ -8,11 +8,19 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"go.opentelemetry.io/otel/codes"
 )
 
-// runTurn runs the handler for a claim and commits its end: a reply, a retry, or a visible
-// failure. It returns the claimed rows that are now terminal (or gone).
-func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int64 {
+// runTurn runs the handler for a claim (begun at claimed) and commits its end: a reply, a
+// retry, or a visible failure. It returns the claimed rows that are now terminal (or gone).
+//
+// The turn is one span (see TracerName), a child of the sender's when the claimed rows carry
+// one, and its context is the trace context of the message that ends the turn.
+func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim, claimed time.Time) []int64 {
+	ctx, span := w.startTurn(ctx, conv, runID, c, claimed, time.Now())
+	defer span.End()
+	traceContext := formatTraceparent(span.SpanContext())
 	log := w.cfg.Logger.With("conversation_id", conv, "run_id", runID)
 	started := w.clock.Now()
 	w.m.running.Inc()
@@ -36,7 +44,7 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 
 	var reply Reply
 	var herr error
-	t := &Turn{ConversationID: conv, RunID: runID, OutboxIDs: c.ids, Messages: c.messages, Attempt: c.attempts, w: w}
+	t := &Turn{ConversationID: conv, RunID: runID, OutboxIDs: c.ids, Messages: c.messages, Attempt: c.attempts, w: w, span: span}
 	switch {
 	case c.oversize:
 		herr = fmt.Errorf("%w (Config.MaxTurnBytes is %d)", ErrMessageTooLarge, w.cfg.MaxTurnBytes)
@@ -66,10 +74,11 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 	var result string
 	var terminal []int64
 	var err error
+	_, commit := w.tracer.Start(dbCtx, "baton.commit")
 	if end == turnReplied {
 		result, terminal = "done", c.ids
 		err = w.finish(dbCtx, finishReq{conversationID: conv, runID: runID, ids: c.ids,
-			outcome: outcome{role: "assistant", content: reply.Content}, ends: ends})
+			outcome: outcome{role: "assistant", content: reply.Content}, ends: ends, traceContext: traceContext})
 		if err != nil {
 			w.endOperations(dbCtx, log, ends) // nothing of the final commit was written
 		}
@@ -78,12 +87,20 @@ func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim) []int
 		stopping := end == turnStopped
 		var e ended
 		e, err = w.store.endRun(dbCtx, endReq{conversationID: conv, runID: runID, ids: c.ids, cause: herr,
-			stopping: stopping, permanent: c.oversize || c.unreadable})
+			stopping: stopping, permanent: c.oversize || c.unreadable, traceContext: traceContext})
 		result, terminal = e.result, e.failed
 		log.Warn("turn failed", "error", detail(herr), "attempt", c.attempts, "stopping", stopping,
 			"result", result, "failed", e.failed, "pending", e.retried)
 	}
 	result, terminal = afterCommit(result, terminal, c.ids, err)
+	if span.IsRecording() {
+		span.SetAttributes(attrResult.String(result))
+		commit.SetAttributes(attrResult.String(result))
+	}
+	endSpan(commit, err)
+	if herr != nil && span.IsRecording() {
+		span.SetStatus(codes.Error, detail(herr))
+	}
 	switch result {
 	case resultCancelled:
 		log.Info("conversation deleted during the turn; result discarded")

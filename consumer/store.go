@@ -112,7 +112,7 @@ WITH input AS (
     FROM conv
     WHERE o.conversation_id = conv.id AND o.id IN (
         SELECT id FROM queue WHERE NOT blocked AND (n = 1 OR bytes <= $6))
-    RETURNING o.id, o.conversation_id, o.attempts, o.message_id, conv.run_id
+    RETURNING o.id, o.conversation_id, o.attempts, o.message_id, conv.run_id, o.trace_context
 ), run AS (
     INSERT INTO agent_runs (run_id, conversation_id, outbox_ids, worker)
     SELECT run_id, conversation_id, array_agg(id ORDER BY id), $4 FROM claimed
@@ -127,7 +127,8 @@ SELECT i.conversation_id, conv.id IS NOT NULL, i.conversation_id IN (SELECT conv
                                                THEN m.created_at END)
                 ORDER BY c.id) FILTER (WHERE c.id IS NOT NULL),
        coalesce(bool_or(octet_length(m.content) > $6), false),
-       (SELECT q.available_at FROM queue q WHERE q.conversation_id = i.conversation_id AND q.n = 1 AND q.blocked)
+       (SELECT q.available_at FROM queue q WHERE q.conversation_id = i.conversation_id AND q.n = 1 AND q.blocked),
+       array_agg(c.trace_context ORDER BY c.id) FILTER (WHERE c.trace_context IS NOT NULL)
 FROM input i
 LEFT JOIN conv ON conv.id = i.conversation_id
 LEFT JOIN claimed c ON c.conversation_id = i.conversation_id
@@ -198,13 +199,13 @@ const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_pla
 // indexed key, so the generic plan probes indexes whatever the batch size.
 const finishSQL = `
 WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
-        AS i(conversation_id, run_id, status, reply_id, role, content, reason, answers)
+    SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $12::text[])
+        AS i(conversation_id, run_id, status, reply_id, role, content, reason, answers, trace_context)
 ), emit AS (
     SELECT i.*, pg_logical_emit_message(true, $10, i.answers) FROM input i
 ), reply AS (
-    INSERT INTO messages (id, conversation_id, role, content)
-    SELECT reply_id, conversation_id, role, content FROM emit
+    INSERT INTO messages (id, conversation_id, role, content, trace_context)
+    SELECT reply_id, conversation_id, role, content, trace_context FROM emit
     RETURNING id
 ), done AS (
     UPDATE agent_outbox o

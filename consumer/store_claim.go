@@ -30,6 +30,9 @@ type claim struct {
 	// waitUntil: nothing was claimed because the conversation's oldest pending row backs off
 	// until then.
 	waitUntil time.Time
+	// traces are the claimed rows' stored trace contexts, in id order, NULLs left out: what
+	// their writers stored, unchecked (see turnParent).
+	traces []string
 }
 
 // claimMany claims several conversations, each for its own run, in one round trip: for each,
@@ -106,7 +109,7 @@ func (s *store) claimAll(ctx context.Context, reqs []claimReq) ([]claim, error) 
 				var c claim
 				var raw []byte
 				var wait *time.Time
-				if err = rows.Scan(&conv, &c.locked, &c.busy, &c.ids, &c.attempts, &raw, &c.oversize, &wait); err != nil {
+				if err = rows.Scan(&conv, &c.locked, &c.busy, &c.ids, &c.attempts, &raw, &c.oversize, &wait, &c.traces); err != nil {
 					break
 				}
 				// The claim has committed: a conversation whose messages cannot be decoded

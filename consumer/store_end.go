@@ -36,6 +36,8 @@ type endReq struct {
 	// outcome recorded for the run when no row fails visibly: "" for the rows' fate (retry or
 	// released); recovery records "recovered".
 	outcome string
+	// traceContext is the visible failure's trace_context (see finishReq).
+	traceContext string
 }
 
 // ended says what endRun did.
@@ -122,7 +124,8 @@ func (s *store) endHeld(ctx context.Context, tx pgx.Tx, r endReq, held []heldRow
 	}
 	e.reason = detail(p.cause)
 	err := s.finishIn(ctx, tx, []finishReq{{conversationID: r.conversationID, runID: r.runID, ids: e.failed,
-		replyID: replyID, outcome: outcome{role: "error", content: s.failureMessage(p.cause), reason: e.reason}}})
+		replyID: replyID, outcome: outcome{role: "error", content: s.failureMessage(p.cause), reason: e.reason},
+		traceContext: r.traceContext}})
 	return e, err
 }
 

@@ -33,6 +33,9 @@ type finishReq struct {
 	replyID string
 	// ends are the ends of the run's tool calls not written yet.
 	ends []opEnd
+	// traceContext is the message's trace_context: the traceparent of the run's turn span, ""
+	// for none (NULL).
+	traceContext string
 }
 
 // status is what the run's rows become.
@@ -169,6 +172,7 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 	n := len(reqs)
 	convs, runs, statuses, replies := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	roles, contents, reasons, answers := make([]string, n), make([]string, n), make([]*string, n), make([]string, n)
+	traces := make([]*string, n)
 	counts := make([]int32, n)
 	var ids []int64
 	var ends []opEnd
@@ -190,6 +194,9 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 			OutboxIDs []int64 `json:"outbox_ids"`
 		}{replies[i], r.ids})
 		answers[i] = string(a)
+		if r.traceContext != "" {
+			traces[i] = &r.traceContext
+		}
 		ids = append(ids, r.ids...)
 		ends = append(ends, r.ends...)
 		counts[i] = int32(len(r.ids)) //nolint:gosec // G115: a run holds at most MaxTurnMessages rows
@@ -200,7 +207,7 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 		endIDs, endStatuses, outputs, errs, took := opEnds(ends)
 		batch.Queue(endOperationsSQL, endIDs, endStatuses, outputs, errs, took)
 	}
-	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, wire.AnswersPrefix, counts)
+	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, wire.AnswersPrefix, counts, traces)
 	err := q.SendBatch(ctx, batch).Close()
 	var pgErr *pgconn.PgError
 	switch {

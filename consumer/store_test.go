@@ -168,8 +168,8 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 	tool := plan(`uuid, text, text, text, jsonb, bigint[]`, recordOperationSQL,
 		fmt.Sprintf(`'%s', 'c', 'tool', 'read', '{}', '{%d}'`, run, c.ids[0]))
 	narrow("tool check", tool)
-	finishPlan := plan(`text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text, int[]`, finishSQL,
-		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}'`, run, c.ids[0]),
+	finishPlan := plan(`text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text, int[], text[]`, finishSQL,
+		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}', '{NULL}'`, run, c.ids[0]),
 		strings.Replace(genericPlansSQL, "$1", "'5000ms'", 1))
 	narrow("final commit", finishPlan)
 
@@ -237,8 +237,9 @@ func TestClaimStatementTakesOnlyLockedConversations(t *testing.T) {
 	var raw []byte
 	var oversize bool
 	var wait *time.Time
+	var traces []string
 	require.NoError(t, tx.QueryRow(ctx, claimSQL, []string{"c"}, []string{"00000000-0000-4000-8000-000000000004"},
-		s.lease.Milliseconds(), s.worker, s.maxRows, s.maxBytes).Scan(&conv, &locked, &busy, &ids, &attempts, &raw, &oversize, &wait))
+		s.lease.Milliseconds(), s.worker, s.maxRows, s.maxBytes).Scan(&conv, &locked, &busy, &ids, &attempts, &raw, &oversize, &wait, &traces))
 	require.False(t, locked)
 	require.Empty(t, ids)
 	require.NoError(t, tx.Rollback(ctx))

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"sync"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Effect says what a tool call does outside the conversation.
@@ -50,6 +52,8 @@ type Turn struct {
 	Attempt int
 
 	w *Worker
+	// span is the turn's span (see TracerName); nil for a turn made without one.
+	span trace.Span
 	// mu guards ends: the ends of tool calls that returned, not yet written (see Tool).
 	mu   sync.Mutex
 	ends []opEnd
@@ -99,7 +103,23 @@ const maxToolName = 200
 // the row's status: if fn fails (its error may come after the effect, as a timeout does), is
 // cut short by shutdown, or the worker dies, the turn ends as a visible failure and is never
 // replayed automatically.
-func (t *Turn) Tool(ctx context.Context, tool string, effect Effect, input any, fn func(ctx context.Context) (any, error)) (any, error) {
+//
+// The call is a span, baton.tool, a child of the span in ctx or else of the turn's; fn's ctx
+// carries it.
+func (t *Turn) Tool(ctx context.Context, tool string, effect Effect, input any, fn func(ctx context.Context) (any, error)) (out any, err error) {
+	if t.span != nil && !trace.SpanContextFromContext(ctx).IsValid() {
+		ctx = trace.ContextWithSpan(ctx, t.span)
+	}
+	ctx, span := t.w.tracer.Start(ctx, "baton.tool")
+	if span.IsRecording() {
+		span.SetAttributes(attrTool.String(sanitize(tool, maxToolName)), attrEffect.String(string(effect)))
+	}
+	defer func() { endSpan(span, err) }()
+	return t.tool(ctx, span, tool, effect, input, fn)
+}
+
+// tool is Tool inside its span.
+func (t *Turn) tool(ctx context.Context, span trace.Span, tool string, effect Effect, input any, fn func(ctx context.Context) (any, error)) (any, error) {
 	if effect != Read && effect != Write {
 		return nil, fmt.Errorf("tool %s: effect must be read or write, not %q", tool, effect)
 	}
@@ -119,6 +139,9 @@ func (t *Turn) Tool(ctx context.Context, tool string, effect Effect, input any, 
 		return nil, fmt.Errorf("tool %s: %w", tool, err)
 	}
 	t.w.m.operations.WithLabelValues(string(effect)).Inc()
+	if span.IsRecording() {
+		span.SetAttributes(attrOperationID.Int64(opID))
+	}
 	out, runErr := fn(ctx)
 	end := opEnd{id: opID, took: t.w.clock.Now().Sub(start)}
 	if runErr != nil {

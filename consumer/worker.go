@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
 )
 
@@ -24,6 +25,8 @@ type Worker struct {
 	m     *metrics
 	src   source
 	clock clock
+	// tracer makes the turns' spans (see TracerName).
+	tracer trace.Tracer
 
 	// claims, finishes, records (of tool calls) and history reads share round trips between
 	// conversations (see batcher); they run while Run does.
@@ -47,11 +50,12 @@ func New(cfg Config) (*Worker, error) {
 		return nil, err
 	}
 	w := &Worker{
-		cfg:   cfg,
-		m:     newMetrics(cfg.Registerer),
-		clock: realClock{},
-		sem:   make(chan struct{}, cfg.MaxConcurrentTurns),
-		convs: map[string]*convState{},
+		cfg:    cfg,
+		m:      newMetrics(cfg.Registerer),
+		clock:  realClock{},
+		sem:    make(chan struct{}, cfg.MaxConcurrentTurns),
+		convs:  map[string]*convState{},
+		tracer: newTracer(cfg.TracerProvider),
 	}
 	w.store = &store{pool: cfg.Pool, lease: cfg.Lease, maxAttempts: cfg.MaxAttempts, backoff: cfg.backoff, worker: cfg.Name,
 		maxRows: cfg.MaxTurnMessages, maxBytes: cfg.MaxTurnBytes, failureMessage: cfg.FailureMessage}

@@ -42,6 +42,8 @@
 //     Config.MaxContentBytes bytes (default 1 MiB), all valid UTF-8 without NUL bytes (Postgres
 //     text cannot hold them). Empty content is rejected: it is no message for an agent to answer.
 //     A violation is an *InputError, errors.Is ErrInvalidInput (and ErrContentTooLarge for size).
+//   - The caller's OpenTelemetry span, when ctx carries one, is stored as the outbox row's W3C
+//     traceparent (trace_context), so the turn and its outcome join the caller's trace.
 //
 // Errors from the database are wrapped with the message and conversation ids; test errors with
 // errors.Is and errors.As. Postgres errors are classified by SQLSTATE and constraint name, never by text.

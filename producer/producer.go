@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // DefaultMaxContentBytes is Config.MaxContentBytes when it is left zero: 1 MiB.
@@ -58,7 +60,7 @@ type Producer struct {
 
 // statements are the producer's SQL with the tables qualified by the configured schema.
 type statements struct {
-	insert, lookup, createConversation string
+	insert, insertTraced, lookup, createConversation string
 }
 
 func newStatements(schema string) statements {
@@ -71,6 +73,7 @@ func newStatements(schema string) statements {
 		"{conversations}", pgx.Identifier{schema, "conversations"}.Sanitize())
 	return statements{
 		insert:             r.Replace(insertSQL),
+		insertTraced:       r.Replace(insertTracedSQL),
 		lookup:             r.Replace(lookupSQL),
 		createConversation: r.Replace(createConversationSQL),
 	}
@@ -148,6 +151,13 @@ type querier interface {
 //
 // If Send returns a network error, the write may or may not have committed: call Send again with
 // the same message to find out.
+//
+// Tracing: when ctx carries a valid OpenTelemetry span context (the caller's span), Send stores
+// its W3C traceparent in the outbox row's trace_context, and the turn and its outcome join that
+// trace (see wire.HeaderTraceparent). It uses the W3C propagator itself, not the global one, so
+// this works whether or not the application configured OpenTelemetry. Without a span the column
+// is NULL and tracing costs nothing. A retry that finds the message written keeps the first
+// call's trace.
 func (p *Producer) Send(ctx context.Context, db DB, msg Message) (Result, error) {
 	return p.send(ctx, db, msg, false)
 }
@@ -193,6 +203,14 @@ INSERT INTO {agent_outbox} (conversation_id, message_id)
 SELECT conversation_id, id FROM m
 RETURNING id, created_at`
 
+// insertTracedSQL is insertSQL that also stores the sender's traceparent ($4) in the outbox
+// row's trace_context. It is a statement of its own, so that a sender without a span names no
+// column that a database not yet migrated to version 8, or an app role not yet granted it
+// (deploy/postgres/roles.sql), lacks.
+var insertTracedSQL = strings.Replace(strings.Replace(insertSQL,
+	"(conversation_id, message_id)\n", "(conversation_id, message_id, trace_context)\n", 1),
+	"SELECT conversation_id, id FROM m", "SELECT conversation_id, id, $4::text FROM m", 1)
+
 // lookupSQL reads the outbox row of the message that holds an id, and whether that message is
 // the one being sent: same conversation, a user message, same content. It answers one boolean,
 // not which of these differs, so the reason for a conflict is never read, logged or returned.
@@ -219,9 +237,16 @@ func (p *Producer) send(ctx context.Context, q querier, msg Message, inTx bool) 
 	wrap := func(err error) error {
 		return fmt.Errorf("send message %q to conversation %q: %w", msg.ID, msg.ConversationID, err)
 	}
+	tc := traceContext(ctx)
 	for attempt := 1; ; attempt++ {
 		var res Result
-		err := q.QueryRow(ctx, p.sql.insert, msg.ID, msg.ConversationID, msg.Content).Scan(&res.OutboxID, &res.CreatedAt)
+		var row pgx.Row
+		if tc == "" {
+			row = q.QueryRow(ctx, p.sql.insert, msg.ID, msg.ConversationID, msg.Content)
+		} else {
+			row = q.QueryRow(ctx, p.sql.insertTraced, msg.ID, msg.ConversationID, msg.Content, tc)
+		}
+		err := row.Scan(&res.OutboxID, &res.CreatedAt)
 		if errors.Is(err, pgx.ErrNoRows) {
 			// The id is taken: a retry, or a different message.
 			var e existing
@@ -251,6 +276,36 @@ func (p *Producer) send(ctx context.Context, q querier, msg Message, inTx bool) 
 		return res, nil
 	}
 }
+
+// traceContext returns the W3C traceparent of the span context ctx carries, for the outbox
+// row's trace_context, or "" when it carries none. Without a span it allocates nothing.
+func traceContext(ctx context.Context) string {
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		return ""
+	}
+	var c traceparentCarrier
+	propagation.TraceContext{}.Inject(ctx, &c)
+	return c.traceparent
+}
+
+// traceparentCarrier keeps the traceparent a propagator injects and ignores the rest
+// (tracestate is not stored).
+type traceparentCarrier struct{ traceparent string }
+
+func (c *traceparentCarrier) Get(key string) string {
+	if key == "traceparent" {
+		return c.traceparent
+	}
+	return ""
+}
+
+func (c *traceparentCarrier) Set(key, value string) {
+	if key == "traceparent" {
+		c.traceparent = value
+	}
+}
+
+func (c *traceparentCarrier) Keys() []string { return []string{"traceparent"} }
 
 // result turns an existing message into the Result of a retry, or an ErrConflict.
 //

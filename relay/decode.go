@@ -40,6 +40,9 @@ type item struct {
 	msg        *nats.Msg
 	outcome    bool // the event is an outcome, not a turn
 	omitted    bool // an outcome published without its content
+	// traceDropped says the row's trace_context was not a valid traceparent: the event goes
+	// without one (counted, never an error).
+	traceDropped bool
 	// deadLetter is, for the dead-letter record of a change set aside, its kind
 	// (wire.DeadLetterAnswers, wire.DeadLetterTurn, wire.DeadLetterOutcome); msg is the record and reason
 	// says why, for the log.
@@ -380,6 +383,16 @@ func (d *decoder) insert(relID uint32, tuple []tupleColumn) (item, error) {
 	return it, nil
 }
 
+// optional returns the text of column name in tuple, or "" when it is NULL, of another
+// kind, or missing: a column the relay can do without (trace_context) never sets a row aside.
+func (r *relation) optional(t []tupleColumn, name string) string {
+	i, ok := r.pos[name]
+	if !ok || i >= len(t) || t[i].kind != 't' {
+		return ""
+	}
+	return string(t[i].data)
+}
+
 // event makes the event of an insert into agent_outbox or messages. Its errors are the
 // change's: a missing column, a value that cannot be parsed, a conversation id no subject can
 // carry, an event that cannot fit the max payload.
@@ -407,11 +420,12 @@ func (d *decoder) event(rel *relation, tuple []tupleColumn) (item, error) {
 		if err != nil {
 			return item{}, err
 		}
+		row.TraceContext = rel.optional(tuple, "trace_context")
 		msg, err := row.turn(d.prefix, d.maxPayload)
 		if err != nil {
 			return item{}, err
 		}
-		return item{kind: itemEvent, msg: msg}, nil
+		return item{kind: itemEvent, msg: msg, traceDropped: traceDropped(row.TraceContext)}, nil
 	default: // tableMessages
 		var ev wire.OutcomeEvent
 		col("role", &ev.Role, &err)
@@ -431,11 +445,13 @@ func (d *decoder) event(rel *relation, tuple []tupleColumn) (item, error) {
 			return item{}, fmt.Errorf("message %q created_at: %w", ev.MessageID, err)
 		}
 		ev.OutboxIDs = d.answers[ev.MessageID]
-		msg, err := outcomeMsg(d.prefix, ev, d.maxPayload)
+		tc := rel.optional(tuple, "trace_context")
+		msg, err := outcomeMsg(d.prefix, ev, validTraceparent(tc), d.maxPayload)
 		if err != nil {
 			return item{}, err
 		}
-		return item{kind: itemEvent, msg: msg, outcome: true, omitted: msg.Header.Get(wire.HeaderContentOmitted) != ""}, nil
+		return item{kind: itemEvent, msg: msg, outcome: true, omitted: msg.Header.Get(wire.HeaderContentOmitted) != "",
+			traceDropped: traceDropped(tc)}, nil
 	}
 }
 
@@ -448,7 +464,22 @@ type outboxText struct {
 	Status         string `json:"status"`
 	Attempts       string `json:"attempts"`
 	CreatedAt      string `json:"created_at"`
+	// TraceContext is the sender's traceparent, "" for none (the backfill does not read it).
+	TraceContext string `json:"trace_context,omitempty"`
 }
+
+// validTraceparent returns tc when it is a valid traceparent (wire.ValidTraceparent), else "".
+// A stored trace context is whatever a role wrote: a malformed one, however long or with
+// whatever bytes, is dropped here, so it never reaches a header and never costs an event.
+func validTraceparent(tc string) string {
+	if wire.ValidTraceparent(tc) {
+		return tc
+	}
+	return ""
+}
+
+// traceDropped reports whether a stored trace context was set but is not valid.
+func traceDropped(tc string) bool { return tc != "" && !wire.ValidTraceparent(tc) }
 
 // turn parses the row and builds its turn event. The stream and the backfill both use it, so
 // they agree on which rows can be published and how. Its errors are the row's: a value that
@@ -466,7 +497,7 @@ func (c *outboxText) turn(prefix string, maxPayload int) (*nats.Msg, error) {
 	if row.CreatedAt, err = parseTimestamptz(c.CreatedAt); err != nil {
 		return nil, fmt.Errorf("agent_outbox %d created_at: %w", row.OutboxID, err)
 	}
-	msg, err := turnMsg(prefix, row)
+	msg, err := turnMsg(prefix, row, validTraceparent(c.TraceContext))
 	if err != nil {
 		return nil, err
 	}

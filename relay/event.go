@@ -15,8 +15,9 @@ import (
 )
 
 // turnMsg builds the turn event of an outbox row. The body is what json.Marshal(row) gives,
-// written by hand: this runs once per row on the relay's hot path.
-func turnMsg(prefix string, row wire.TurnEvent) (*nats.Msg, error) {
+// written by hand: this runs once per row on the relay's hot path. traceparent, when not
+// empty, is a valid one (validTraceparent) and goes in wire.HeaderTraceparent.
+func turnMsg(prefix string, row wire.TurnEvent, traceparent string) (*nats.Msg, error) {
 	subj, err := wire.TurnSubject(prefix, row.ConversationID)
 	if err != nil {
 		return nil, fmt.Errorf("turn event for outbox %d: %w", row.OutboxID, err)
@@ -36,12 +37,16 @@ func turnMsg(prefix string, row wire.TurnEvent) (*nats.Msg, error) {
 	b = row.CreatedAt.AppendFormat(b, time.RFC3339Nano)
 	b = append(b, `"}`...)
 	id := strconv.FormatInt(row.OutboxID, 10)
-	return &nats.Msg{Subject: subj, Data: b, Header: nats.Header{
+	m := &nats.Msg{Subject: subj, Data: b, Header: nats.Header{
 		nats.MsgIdHdr:             {"turn:" + id},
 		wire.HeaderOutboxID:       {id},
 		wire.HeaderConversationID: {wire.HeaderID(row.ConversationID)},
 		wire.HeaderMessageID:      {wire.HeaderID(row.MessageID)},
-	}}, nil
+	}}
+	if traceparent != "" {
+		m.Header[wire.HeaderTraceparent] = []string{traceparent}
+	}
+	return m, nil
 }
 
 // appendJSONString appends s as a JSON string, escaped as encoding/json does (HTML-safe).
@@ -98,7 +103,8 @@ func appendJSONString(b []byte, s string) []byte {
 	return append(b, '"')
 }
 
-// outcomeMsg builds the outcome event of a reply, never larger than maxPayload bytes as the
+// outcomeMsg builds the outcome event of a reply, with traceparent (valid, or "" for none) in
+// wire.HeaderTraceparent, never larger than maxPayload bytes as the
 // server measures it (header block plus body; 0 means unknown, no limit). It carries at most
 // the first wire.MaxHeaderOutboxIDs answered ids in wire.HeaderOutboxID and the first wire.MaxBodyOutboxIDs in
 // the body, with the count of the rest (wire.HeaderOutboxIDsOmitted, outbox_ids_omitted). When that
@@ -106,7 +112,7 @@ func appendJSONString(b []byte, s string) []byte {
 // not fit, it carries fewer ids (halving) down to none. An event that does not fit without
 // content and ids (an absurdly small max payload) is an error wrapping errOutcomeTooLarge:
 // publishing it could only fail with ErrMaxPayload on every retry.
-func outcomeMsg(prefix string, ev wire.OutcomeEvent, maxPayload int) (*nats.Msg, error) {
+func outcomeMsg(prefix string, ev wire.OutcomeEvent, traceparent string, maxPayload int) (*nats.Msg, error) {
 	subj, err := wire.OutcomeSubject(prefix, ev.ConversationID)
 	if err != nil {
 		return nil, fmt.Errorf("outcome event for message %q: %w", ev.MessageID, err)
@@ -117,6 +123,9 @@ func outcomeMsg(prefix string, ev wire.OutcomeEvent, maxPayload int) (*nats.Msg,
 	m.Header.Set(wire.HeaderConversationID, wire.HeaderID(ev.ConversationID))
 	m.Header.Set(wire.HeaderMessageID, wire.HeaderID(ev.MessageID))
 	m.Header.Set(wire.HeaderRole, ev.Role)
+	if traceparent != "" {
+		m.Header[wire.HeaderTraceparent] = []string{traceparent}
+	}
 	all := ev.OutboxIDs
 	inHeader, inBody := min(len(all), wire.MaxHeaderOutboxIDs), min(len(all), wire.MaxBodyOutboxIDs)
 	setIDs := func() {

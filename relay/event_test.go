@@ -23,7 +23,7 @@ func TestTurnBodyMatchesEncodingJSON(t *testing.T) {
 		if s == "" {
 			continue // an empty conversation id has no subject
 		}
-		msg, err := turnMsg("agent", row)
+		msg, err := turnMsg("agent", row, "")
 		require.NoError(t, err)
 		require.Equal(t, string(want), string(msg.Data))
 	}

@@ -14,6 +14,7 @@ type metrics struct {
 	events                             *prometheus.CounterVec // kind: turn|outcome|ignored|backfill
 	turns, outcomes, backfill, ignored prometheus.Counter     // events' children, resolved once
 	omitted                            prometheus.Counter
+	traceDropped                       prometheus.Counter
 	deadLetter                         *prometheus.CounterVec // kind: answers|turn|outcome
 	publishLatency                     prometheus.Histogram
 	commitToAck                        prometheus.Histogram
@@ -45,6 +46,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}, []string{"kind"}),
 		omitted: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "baton_relay_content_omitted_total", Help: "Outcome events published without content because it exceeded the max payload.",
+		}),
+		traceDropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_relay_trace_context_dropped_total",
+			Help: "Rows whose trace_context was not a valid W3C traceparent: their events were published without one.",
 		}),
 		deadLetter: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_relay_deadletter_total",
@@ -109,7 +114,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		m.switches.WithLabelValues(to) // shown from the start, at 0
 	}
 	if reg != nil {
-		reg.MustRegister(m.events, m.omitted, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
+		reg.MustRegister(m.events, m.omitted, m.traceDropped, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
 			m.slotLagBytes, m.inFlight, m.inFlightBytes, m.active, m.batched, m.batching, m.switches, m.reconnects, m.errors, m.slotLost, m.fatal, m.streamFull)
 	}
 	return m

@@ -90,7 +90,7 @@ func TestOutcomeMsgCapsAnsweredIDs(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			ids := seqIDs(tc.ids)
 			m, err := outcomeMsg("agent", wire.OutcomeEvent{MessageID: "r1", ConversationID: "c", Role: "assistant",
-				Content: tc.content, CreatedAt: at, OutboxIDs: ids}, tc.maxPayload)
+				Content: tc.content, CreatedAt: at, OutboxIDs: ids}, "", tc.maxPayload)
 			require.NoError(t, err)
 			if tc.maxPayload > 0 {
 				require.LessOrEqual(t, protocolSize(m), tc.maxPayload)
@@ -126,11 +126,11 @@ func TestOutcomeMsgSizeAtTheLimit(t *testing.T) {
 	for _, content := range []string{strings.Repeat("a", 3000), strings.Repeat("<", 1000), strings.Repeat("\x01", 700)} {
 		ev := wire.OutcomeEvent{MessageID: "r1", ConversationID: "c", Role: "assistant", Content: content, CreatedAt: at,
 			OutboxIDs: seqIDs(150)}
-		full, err := outcomeMsg("agent", ev, 0)
+		full, err := outcomeMsg("agent", ev, "", 0)
 		require.NoError(t, err)
 		size := protocolSize(full)
 		for _, maxPayload := range []int{size - 1, size, size + 1} {
-			m, err := outcomeMsg("agent", ev, maxPayload)
+			m, err := outcomeMsg("agent", ev, "", maxPayload)
 			require.NoError(t, err)
 			require.LessOrEqual(t, protocolSize(m), maxPayload)
 			require.Equal(t, maxPayload < size, m.Header.Get(wire.HeaderContentOmitted) == "true", "max %d, full %d", maxPayload, size)
@@ -142,6 +142,6 @@ func TestOutcomeMsgSizeAtTheLimit(t *testing.T) {
 // the server would refuse on every retry.
 func TestOutcomeMsgTooSmallPayloadIsAnError(t *testing.T) {
 	_, err := outcomeMsg("agent", wire.OutcomeEvent{MessageID: "r1", ConversationID: "c", Role: "assistant",
-		Content: "hi", OutboxIDs: seqIDs(10)}, 100)
+		Content: "hi", OutboxIDs: seqIDs(10)}, "", 100)
 	require.Error(t, err)
 }

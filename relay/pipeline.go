@@ -508,6 +508,9 @@ func (p *pipeline) handle(it item) error {
 		tx.pending++
 		p.arrived++
 		p.arrive(p.arrived, time.Now())
+		if it.traceDropped {
+			p.m.traceDropped.Inc()
+		}
 		ev := &pendingEvent{msg: it.msg, tx: tx, outcome: it.outcome, omitted: it.omitted, deadLetter: it.deadLetter,
 			size: eventSize(it.msg), lane: laneOf(it.outcome, it.deadLetter), n: p.arrived}
 		p.bytes += ev.size

@@ -41,6 +41,7 @@
 //	Baton-Outbox-Id        the outbox id (HeaderOutboxID)
 //	Baton-Conversation-Id  HeaderID of the conversation id (HeaderConversationID)
 //	Baton-Message-Id       HeaderID of the user message's id (HeaderMessageID)
+//	traceparent            the sender's span, when it had one (HeaderTraceparent)
 //
 // An outcome event is published for every message inserted with role "assistant" or
 // "error". Its body is OutcomeEvent; its headers:
@@ -52,6 +53,10 @@
 //	Baton-Outbox-Id           answered outbox ids when known, comma-separated (at most MaxHeaderOutboxIDs)
 //	Baton-Outbox-Ids-Omitted  answered ids left out of Baton-Outbox-Id, when any
 //	Baton-Content-Omitted     "true" when the content was left out (HeaderContentOmitted)
+//	traceparent               the worker's turn span, when the turn was traced (HeaderTraceparent)
+//
+// A traceparent header is W3C Trace Context, always valid (ValidTraceparent): one user message
+// is one trace, from the span that sent it through the worker's turn to its outcome.
 //
 // An outcome is sized to the server's max payload, headers and body: past it, the event is
 // published without its content (read it from messages by id) and, if it is still too

@@ -91,6 +91,10 @@ type Outcome struct {
 	// Delivery counts the deliveries of this stream message to the durable: 1 the first
 	// time, more after a failed Handler or a lost ack.
 	Delivery uint64
+	// Traceparent is the event's HeaderTraceparent, the worker's turn span, when it carries a
+	// valid one (ValidTraceparent); "" otherwise. Handlers that trace continue the message's
+	// trace from it.
+	Traceparent string
 }
 
 // OutcomeHandler handles one outcome. It returns nil when the outcome's effect is done: only
@@ -381,6 +385,9 @@ func (s *OutcomeSubscriber) handle(ctx context.Context, msg jetstream.Msg, seen 
 		return
 	}
 	o := Outcome{Event: ev}
+	if tp := msg.Headers().Get(HeaderTraceparent); ValidTraceparent(tp) {
+		o.Traceparent = tp
+	}
 	if md, err := msg.Metadata(); err == nil {
 		o.StreamSeq, o.Stored, o.Delivery = md.Sequence.Stream, md.Timestamp, md.NumDelivered
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/natsconn"
 	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/tracing"
 )
 
 const relaySummary = "stream the outbox from Postgres logical replication to NATS JetStream"
@@ -62,6 +63,23 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		return err
 	}
 	log.Info("starting relay", "config", cfg)
+	// Traces from the standard OTEL_* variables, off without them. The relay makes no span of
+	// its own per event (it carries the sender's traceparent on each event: see
+	// wire.HeaderTraceparent); the provider serves whatever traced code runs in the process.
+	shutdownTracing, err := tracing.Setup(ctx)
+	if errors.Is(err, tracing.ErrConfig) {
+		return usageError{msg: err.Error()}
+	}
+	if err != nil {
+		return reportFailure(log, err, 0)
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if err := shutdownTracing(sctx); err != nil {
+			log.Warn("flush traces", "error", err)
+		}
+	}()
 
 	// nats.go closes a connection for good only when a reconnect's login was refused twice in
 	// a row (or on a protocol error): reconnects are unlimited otherwise. The relay then

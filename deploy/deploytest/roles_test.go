@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/batonhq/baton/consumer"
 	"github.com/batonhq/baton/internal/testsvc"
@@ -256,9 +257,15 @@ func TestRolesApp(t *testing.T) {
 
 	tx, err := app.Begin(ctx)
 	require.NoError(t, err)
-	_, err = p.SendTx(ctx, tx, producer.Message{ConversationID: "conv-1", ID: "msg-2", Content: "in a tx"})
+	// With the caller's span, which the app may store as the row's trace_context.
+	traced := trace.ContextWithSpanContext(ctx, trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{1}, SpanID: trace.SpanID{2}, TraceFlags: trace.FlagsSampled}))
+	_, err = p.SendTx(traced, tx, producer.Message{ConversationID: "conv-1", ID: "msg-2", Content: "in a tx"})
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
+	var tc string
+	require.NoError(t, app.QueryRow(ctx, `SELECT trace_context FROM agent_outbox WHERE message_id = 'msg-2'`).Scan(&tc))
+	require.Equal(t, "00-01000000000000000000000000000000-0200000000000000-01", tc)
 
 	// The app reads what it wrote, with the queue fields at their defaults.
 	var status string
@@ -278,6 +285,7 @@ func TestRolesApp(t *testing.T) {
 		"insert with lease":    `INSERT INTO agent_outbox (conversation_id, message_id, lease_expires_at) VALUES ('conv-1', 'msg-3', now())`,
 		"insert with id":       `INSERT INTO agent_outbox (id, conversation_id, message_id) OVERRIDING SYSTEM VALUE VALUES (1000, 'conv-1', 'msg-3')`,
 		"insert created_at":    `INSERT INTO messages (id, conversation_id, role, content, created_at) VALUES ('m9', 'conv-1', 'user', 'x', now())`,
+		"insert message trace": `INSERT INTO messages (id, conversation_id, role, content, trace_context) VALUES ('m9', 'conv-1', 'user', 'x', 't')`,
 		"update outbox":        `UPDATE agent_outbox SET status = 'done'`,
 		"update message":       `UPDATE messages SET content = 'changed'`,
 		"update conversation":  `UPDATE conversations SET unread_count = 0`,

@@ -14,7 +14,8 @@
 --
 --   psql -v ON_ERROR_STOP=1 -d baton -f deploy/postgres/roles.sql
 --
--- It is safe to run again, and must be run again after every `baton migrate` that adds tables:
+-- It is safe to run again, and must be run again after every `baton migrate` that adds tables or
+-- columns Baton writes (version 8: trace_context):
 -- roles are created when missing, and every table's privileges are reset to exactly what is
 -- granted here. Run on a database without Baton's schema, it creates the roles and the schema
 -- privileges the migrator needs and stops there (first install: roles.sql, `baton migrate` as
@@ -180,10 +181,11 @@ BEGIN
     -- baton_app: producer.CreateConversation, producer.Send and SendTx (which read back the
     -- message and outbox row of a retried id), and reading the conversation. Queue fields keep
     -- their defaults: status, attempts, run_id, lease and reply columns are not insertable.
-    -- Its messages are user messages (the policies below).
+    -- Its messages are user messages (the policies below). trace_context is the sender's W3C
+    -- traceparent (migration 8), which everyone who reads it checks.
     GRANT SELECT, INSERT (id) ON public.conversations TO baton_app;
     GRANT SELECT, INSERT (id, conversation_id, role, content) ON public.messages TO baton_app;
-    GRANT SELECT, INSERT (conversation_id, message_id) ON public.agent_outbox TO baton_app;
+    GRANT SELECT, INSERT (conversation_id, message_id, trace_context) ON public.agent_outbox TO baton_app;
 
     -- baton_relay: the first-start backfill reads the unfinished outbox rows' queue columns
     -- (never last_error, nor any message); the slot record is its own. Streaming needs no table
@@ -193,9 +195,9 @@ BEGIN
     GRANT SELECT, INSERT, UPDATE ON public.baton_relay_slots TO baton_relay;
 
     -- baton_worker: claims (lock the conversation, take pending rows), leases, tool operations,
-    -- the final commit, recovery. It deletes nothing.
+    -- the final commit, recovery. It deletes nothing. A reply's trace_context is the turn span's.
     GRANT SELECT, UPDATE (last_message_at, unread_count) ON public.conversations TO baton_worker;
-    GRANT SELECT, INSERT (id, conversation_id, role, content) ON public.messages TO baton_worker;
+    GRANT SELECT, INSERT (id, conversation_id, role, content, trace_context) ON public.messages TO baton_worker;
     GRANT SELECT, UPDATE (status, attempts, processed_at, run_id, lease_expires_at, reply_id,
                           last_error, available_at)
         ON public.agent_outbox TO baton_worker;

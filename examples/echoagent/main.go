@@ -18,7 +18,9 @@
 // BATON_NATS_CA, BATON_NATS_CERT and BATON_NATS_KEY (paths; see package natsconn). The pool size comes from the URL (pool_max_conns=...).
 // With BATON_METRICS_ADDR (--metrics-addr) it serves Prometheus metrics at /metrics and
 // probes at /healthz (alive) and /readyz (Postgres and, with JetStream, NATS reachable: 503
-// and why otherwise). SIGINT, SIGTERM or SIGHUP stops it gracefully: running turns get
+// and why otherwise). With OTEL_EXPORTER_OTLP_ENDPOINT (or the other OTEL_* variables of
+// package tracing) it exports one span per turn, with its claim, tool and commit spans, in
+// the trace of the message's sender. SIGINT, SIGTERM or SIGHUP stops it gracefully: running turns get
 // --shutdown-grace (default 10s) to finish, then they are cancelled.
 //
 // hooks.go holds the test hooks --write-tool, --fail and --pause-at <point>, which tests use
@@ -52,6 +54,7 @@ import (
 	"github.com/batonhq/baton/consumer"
 	"github.com/batonhq/baton/examples/echo"
 	"github.com/batonhq/baton/natsconn"
+	"github.com/batonhq/baton/tracing"
 )
 
 func main() {
@@ -182,6 +185,19 @@ func run(ctx context.Context) error {
 	default:
 		return fmt.Errorf("--source must be jetstream or polling, not %q", *source)
 	}
+
+	// Traces, when the OTEL_* variables ask for them; off otherwise. Flushed on the way out.
+	shutdownTracing, err := tracing.Setup(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if err := shutdownTracing(sctx); err != nil {
+			log.Warn("flush traces", "error", err)
+		}
+	}()
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))

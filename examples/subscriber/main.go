@@ -24,6 +24,9 @@
 // It is built on wire.OutcomeSubscriber, which holds the delivery rules; this file only wires
 // configuration, the connection and the printing.
 //
+// With OTEL_EXPORTER_OTLP_ENDPOINT (or the other OTEL_* variables of package tracing) each
+// outcome handled is a span, "outcome", in the trace of the message it answers.
+//
 // # Position
 //
 // The subscriber reads through a durable consumer of its own (--durable, default
@@ -64,8 +67,12 @@ import (
 	"unicode"
 
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/batonhq/baton/natsconn"
+	"github.com/batonhq/baton/tracing"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -140,6 +147,19 @@ func run(ctx context.Context) error {
 	}
 	defer nc.Close()
 
+	// Traces, when the OTEL_* variables ask for them; off otherwise. Flushed on the way out.
+	shutdownTracing, err := tracing.Setup(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if err := shutdownTracing(sctx); err != nil {
+			log.Warn("flush traces", "error", err)
+		}
+	}()
+
 	p := &printer{out: os.Stdout, maxContent: *maxContent, json: *asJSON}
 	sub, err := wire.NewOutcomeSubscriber(wire.OutcomeSubscriberConfig{
 		NATS:           nc,
@@ -173,9 +193,14 @@ type jsonLine struct {
 	wire.OutcomeEvent
 }
 
-// handle prints one outcome. An error (the output is gone) has it delivered again; returning
-// nil has it acked.
-func (p *printer) handle(_ context.Context, o wire.Outcome) error {
+// handle prints one outcome, in a span of the outcome's trace. An error (the output is gone)
+// has it delivered again; returning nil has it acked.
+func (p *printer) handle(ctx context.Context, o wire.Outcome) error {
+	ctx = propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{wire.HeaderTraceparent: o.Traceparent})
+	_, span := otel.Tracer("github.com/batonhq/baton/examples/subscriber").Start(ctx, "outcome")
+	defer span.End()
+	span.SetAttributes(attribute.String("baton.message_id", o.Event.MessageID),
+		attribute.String("baton.conversation_id", o.Event.ConversationID))
 	ev := o.Event
 	if p.json {
 		line, err := json.Marshal(jsonLine{Seq: o.StreamSeq, OutcomeEvent: ev})

@@ -1,0 +1,4 @@
+package producer
+
+// TraceContextForTest is traceContext, for the allocation test.
+var TraceContextForTest = traceContext
