@@ -358,6 +358,20 @@ func TestRolesConsole(t *testing.T) {
 		require.NoError(t, console.QueryRow(ctx, q).Scan(&n), q)
 	}
 
+	// It inserts exactly what the app may insert: the same columns of the same tables.
+	insertable := func(role string) []string {
+		rows, err := db.Pool.Query(ctx, `SELECT c.relname || '.' || a.attname FROM pg_class c
+			JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_attribute a ON a.attrelid = c.oid
+			WHERE n.nspname = 'public' AND c.relkind = 'r' AND a.attnum > 0 AND NOT a.attisdropped
+			  AND has_column_privilege($1, c.oid, a.attnum, 'INSERT') ORDER BY 1`, role)
+		require.NoError(t, err)
+		cols, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		require.NotEmpty(t, cols, role)
+		return cols
+	}
+	require.Equal(t, insertable(rs.name(roleApp)), insertable(rs.name(roleConsole)), "the console's insert rights are the app's")
+
 	_, err = console.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('msg-3', 'conv-1', 'user', 'x')`)
 	require.NoError(t, err)
 	refusals(t, console, map[string]string{

@@ -215,7 +215,7 @@ BEGIN
     -- policies below). It updates and deletes nothing.
     GRANT SELECT, INSERT (id) ON public.conversations TO baton_console;
     GRANT SELECT, INSERT (id, conversation_id, role, content) ON public.messages TO baton_console;
-    GRANT SELECT, INSERT (conversation_id, message_id) ON public.agent_outbox TO baton_console;
+    GRANT SELECT, INSERT (conversation_id, message_id, trace_context) ON public.agent_outbox TO baton_console;
     GRANT SELECT ON public.operations, public.agent_runs, public.baton_schema_migrations TO baton_console;
 
     -- Who may write which messages: the app user messages, the worker replies. Policies are
