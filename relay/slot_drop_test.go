@@ -323,7 +323,19 @@ func TestLostSlotUnderLoadRecovers(t *testing.T) {
 	l.awaitRows(t, 300)
 
 	// The relay goes down (gracefully: what it published is confirmed) while the load goes on,
-	// and more WAL than the cap is written.
+	// and more WAL than the cap is written. A graceful stop publishes what the relay read, not
+	// what was committed after it: so the "before" outcomes are those committed before the
+	// relay confirmed a position, and those committed from there until it is down may or may
+	// not be published (mixed). (Labelled "before" until stop returned, an outcome committed
+	// while the relay drained was counted missing: it failed 2 of 3 full-suite runs on 2026-12-01.)
+	l.phase.Store(phaseMixed)
+	var end string
+	require.NoError(t, conn.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&end))
+	require.Eventually(t, func() bool {
+		var past bool
+		err := conn.QueryRow(ctx, `SELECT confirmed_flush_lsn >= $1::pg_lsn FROM pg_replication_slots WHERE slot_name = 'baton'`, end).Scan(&past)
+		return err == nil && past
+	}, time.Minute, 5*time.Millisecond, "the relay never confirmed what was committed before it stops")
 	require.NoError(t, stop())
 	l.phase.Store(phaseGap)
 	down := time.Now()

@@ -189,4 +189,3 @@ func ctxFor(t *testing.T, d time.Duration) context.Context {
 	t.Cleanup(cancel)
 	return ctx
 }
-
