@@ -202,3 +202,29 @@ func TestAttackSendHangsWhenPostgresStalls(t *testing.T) {
 	require.NoError(t, json.Unmarshal(out, &apiErr), string(out))
 	require.GreaterOrEqual(t, res.StatusCode, 500, string(out))
 }
+
+// TestAttackHugeWorkerAndToolNamesNotClipped: contents are clipped in SQL because any role that
+// writes messages may write huge ones, but baton_worker writes agent_runs.worker and
+// operations.tool too, unbounded text that the chat (every stream event), the timeline and the
+// system view return whole: one 8 MB worker name makes every answer carry it.
+func TestAttackHugeWorkerAndToolNamesNotClipped(t *testing.T) {
+	t.Parallel()
+	e := setup(t, Config{}, false)
+	e.createConversation(t, "conv-1")
+	e.send(t, "conv-1", "m1", "hello")
+	huge := strings.Repeat("w", 8<<20)
+	w := worker{t: t, e: e, conv: "conv-1", msgID: "m1", runID: "00000000-0000-4000-8000-0000000000a1", worker: huge}
+	w.claim()
+	exec(t, e.db.Pool, `INSERT INTO operations (run_id, conversation_id, tool, effect) VALUES ($1, 'conv-1', $2, 'read')`, w.runID, huge)
+
+	const limit = 1 << 20 // far above anything these pages need
+	var big []string
+	for _, path := range []string{"/api/conversations/conv-1/messages", "/api/messages/m1", "/api/status"} {
+		code, body := e.do(t, http.MethodGet, path, nil)
+		require.Equal(t, http.StatusOK, code, path)
+		if len(body) >= limit {
+			big = append(big, fmt.Sprintf("%s: %d bytes", path, len(body)))
+		}
+	}
+	require.Empty(t, big, "answers carrying a worker's or tool's name whole")
+}
