@@ -6,10 +6,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -227,4 +229,44 @@ func TestAttackHugeWorkerAndToolNamesNotClipped(t *testing.T) {
 		}
 	}
 	require.Empty(t, big, "answers carrying a worker's or tool's name whole")
+}
+
+// countingHandler counts the records logged at Warn or above.
+type countingHandler struct {
+	slog.Handler
+	n *atomic.Int64
+}
+
+func (h countingHandler) Enabled(context.Context, slog.Level) bool { return true }
+
+func (h countingHandler) Handle(ctx context.Context, r slog.Record) error {
+	if r.Level >= slog.LevelWarn {
+		h.n.Add(1)
+	}
+	return nil
+}
+
+// TestAttackDatabaseOutageFloodsTheLog: while Postgres cannot answer a stream's read, every
+// open stream logs a warning on every poll (4 a second each at the default interval, 256 a
+// second with 64 streams), for as long as the outage lasts. One outage should say so once (and
+// again when it ends), not bury the log.
+func TestAttackDatabaseOutageFloodsTheLog(t *testing.T) {
+	t.Parallel()
+	var warnings atomic.Int64
+	log := slog.New(countingHandler{Handler: slog.DiscardHandler, n: &warnings})
+	e := setup(t, Config{PollInterval: 5 * time.Millisecond, Logger: log}, false)
+	e.createConversation(t, "conv-1")
+	s := e.openStream(t, "conv-1")
+	require.True(t, (<-s.events).Full)
+
+	// The outbox is away (as a dropped or unreachable database makes every read fail).
+	exec(t, e.db.Pool, `ALTER TABLE agent_outbox RENAME TO agent_outbox_away`)
+	t.Cleanup(func() { exec(t, e.db.Pool, `ALTER TABLE agent_outbox_away RENAME TO agent_outbox`) })
+	const flood = 100
+	deadline := time.Now().Add(waitFor)
+	for warnings.Load() < flood && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("warnings: %d", warnings.Load())
+	require.Less(t, warnings.Load(), int64(flood), "one stream logged a warning per poll during one outage")
 }
