@@ -239,7 +239,7 @@ type countingHandler struct {
 
 func (h countingHandler) Enabled(context.Context, slog.Level) bool { return true }
 
-func (h countingHandler) Handle(ctx context.Context, r slog.Record) error {
+func (h countingHandler) Handle(_ context.Context, r slog.Record) error {
 	if r.Level >= slog.LevelWarn {
 		h.n.Add(1)
 	}
