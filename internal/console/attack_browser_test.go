@@ -16,7 +16,8 @@ import (
 // one connection open for its event stream. A browser opens at most 6 connections to one
 // host, so with 6 chat tabs open every other request of the console from that browser waits
 // for a free connection that never comes: a message typed in any tab stays local, without an
-// error or a retry, and no other page of the console loads.
+// error or a retry, and no other page of the console loads. (Fixed: a tab closes its stream
+// for its send and reopens it after, and a hidden tab holds no stream.)
 func TestAttackSixChatTabsBlockSends(t *testing.T) {
 	t.Parallel()
 	e := setup(t, Config{}, false)
@@ -63,4 +64,51 @@ func TestAttackSixChatTabsBlockSends(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	require.NotEqual(t, "local", state, fmt.Sprintf("the message stayed local for %s with %d chat tabs open", waitFor, len(tabs)))
+	// And the tab's stream came back: the server's state of the message (no worker runs here:
+	// queued) reaches the page.
+	for time.Now().Before(deadline) && state != "queued" {
+		state, err = chromedp.Run(ctx, chromedp.Evaluate[string](`document.querySelector("#messages .msg").dataset.state`))
+		require.NoError(t, err)
+		time.Sleep(50 * time.Millisecond)
+	}
+	require.Equal(t, "queued", state, "the stream reopened after the send")
+}
+
+// TestHiddenTabHoldsNoStream: a chat tab that is hidden (a background tab) closes its event
+// stream, so that background tabs do not use up the browser's 6 connections to the console;
+// shown again, it reopens the stream and shows the states that changed meanwhile.
+func TestHiddenTabHoldsNoStream(t *testing.T) {
+	t.Parallel()
+	e := setup(t, Config{}, false)
+	e.createConversation(t, "bg")
+	e.send(t, "bg", "m1", "hello")
+	bctx := browser.Start(t, 2*time.Minute)
+	ctx, cancel := context.WithTimeout(bctx, 2*waitFor)
+	defer cancel()
+	require.NoError(t, chromedp.Do(ctx, chromedp.Navigate(e.base+"/#bg")))
+	state := func() string {
+		s, err := chromedp.Run(ctx, chromedp.Evaluate[string](`(document.querySelector('#messages .msg[data-client-id="m1"]') || {dataset: {}}).dataset.state || ""`))
+		require.NoError(t, err)
+		return s
+	}
+	require.Eventually(t, func() bool { return e.srv.streams.Load() == 1 && state() == "queued" }, waitFor, 20*time.Millisecond)
+
+	// The page hears that it is hidden, as a browser tells a tab sent to the background.
+	visibility := func(hidden bool) {
+		_, err := chromedp.Run(ctx, chromedp.Evaluate[bool](fmt.Sprintf(`(() => {
+			Object.defineProperty(document, "hidden", {value: %t, configurable: true});
+			document.dispatchEvent(new Event("visibilitychange"));
+			return true;
+		})()`, hidden)))
+		require.NoError(t, err)
+	}
+	visibility(true)
+	require.Eventually(t, func() bool { return e.srv.streams.Load() == 0 }, waitFor, 10*time.Millisecond, "the hidden tab closed its stream")
+
+	// Meanwhile a worker claims the message; shown again, the tab has the new state.
+	w := worker{t: t, e: e, conv: "bg", msgID: "m1", runID: "00000000-0000-4000-8000-0000000000b1", worker: "w1"}
+	w.claim()
+	visibility(false)
+	require.Eventually(t, func() bool { return e.srv.streams.Load() == 1 && state() == "running" }, waitFor, 20*time.Millisecond,
+		"the tab shown again reopened its stream and shows running")
 }

@@ -33,16 +33,34 @@
     return h.slice(0, 8) + "-" + h.slice(8, 12) + "-" + h.slice(12, 16) + "-" + h.slice(16, 20) + "-" + h.slice(20);
   }
 
+  // seg encodes an id as one path segment. (A conversation or message id "." or ".." cannot
+  // be reached this way, encoded or not: the browser resolves such a segment, and its %2E
+  // forms, away before sending. The console cannot open those; the README says so.)
+  function seg(id) {
+    return encodeURIComponent(id);
+  }
+
+  // requestTimeout bounds a request's wait for its answer. Past it the request is abandoned
+  // (a send then shows local with a retry, which reuses the id: a send the server took after
+  // all is not stored twice). The server bounds its own database work below this.
+  const requestTimeout = 15000;
+
   async function api(method, path, body) {
-    const opts = { method: method, headers: { Accept: "application/json" }, cache: "no-store" };
+    const ctl = new AbortController();
+    const timer = setTimeout(() => ctl.abort(), requestTimeout);
+    const opts = { method: method, headers: { Accept: "application/json" }, cache: "no-store", signal: ctl.signal };
     if (body !== undefined) {
       opts.headers["Content-Type"] = "application/json";
       opts.body = JSON.stringify(body);
     }
-    const res = await fetch(path, opts); // a network error throws
-    let data = null;
-    try { data = await res.json(); } catch (e) { data = null; }
-    return { status: res.status, ok: res.ok, data: data };
+    try {
+      const res = await fetch(path, opts); // a network error or the timeout throws
+      let data = null;
+      try { data = await res.json(); } catch (e) { data = null; }
+      return { status: res.status, ok: res.ok, data: data };
+    } finally {
+      clearTimeout(timer);
+    }
   }
 
   function fmtTime(s) {
@@ -113,14 +131,16 @@
       msgs.clear();
       const pending = unsent.get(id);
       if (pending) for (const [cid, content] of pending) addLocal(cid, content, true);
-      subscribe();
+      if (es) es.close();
+      es = null;
+      if (!document.hidden) subscribe(); // a hidden tab subscribes when it shows
     }
 
     function subscribe() {
       if (es) es.close();
       clearTimeout(reopenTimer);
       const conv = current;
-      es = new EventSource("/api/conversations/" + encodeURIComponent(conv) + "/events");
+      es = new EventSource("/api/conversations/" + seg(conv) + "/events");
       const mine = es;
       es.addEventListener("open", () => {
         if (es === mine) setConn(true);
@@ -137,7 +157,7 @@
         if (mine.readyState === EventSource.CLOSED) {
           // The server refused the stream: a conversation that does not exist stays closed,
           // anything else (too many streams, a server error) is tried again.
-          api("GET", "/api/conversations/" + encodeURIComponent(conv) + "/messages").then((r) => {
+          api("GET", "/api/conversations/" + seg(conv) + "/messages").then((r) => {
             if (es !== mine) return;
             setConn(r.status < 500);
             if (r.status === 404 || r.status === 400) {
@@ -165,7 +185,7 @@
       const head = el("div", { class: "head" });
       const stateEl = el("span", { class: "state" });
       head.appendChild(stateEl);
-      const link = el("a", { class: "detail", href: "/messages/" + encodeURIComponent(id) }, "timeline");
+      const link = el("a", { class: "detail", href: "/messages/" + seg(id) }, "timeline");
       head.appendChild(link);
       li.appendChild(head);
       li.appendChild(el("div", { class: "content" }, content));
@@ -238,15 +258,26 @@
       let pending = unsent.get(conv);
       if (!pending) unsent.set(conv, (pending = new Map()));
       pending.set(id, content);
+      // The send goes out on this tab's own stream connection: the stream closes for it and
+      // reopens after (its first event rebuilds every state). Otherwise, with 6 tabs of the
+      // console streaming (visible windows, or a browser that does not hide background tabs),
+      // the send would wait for a free connection that never comes (at most 6 a host).
+      const paused = es !== null && conv === current;
+      if (paused) {
+        es.close();
+        es = null;
+      }
       let r;
       try {
-        r = await api("POST", "/api/conversations/" + encodeURIComponent(conv) + "/messages", { id: id, content: content });
+        r = await api("POST", "/api/conversations/" + seg(conv) + "/messages", { id: id, content: content });
       } catch (e) {
         r = null;
+      } finally {
+        if (paused && conv === current && es === null && !document.hidden) subscribe();
       }
       m = msgs.get(id);
       if (r === null || r.status >= 500) {
-        if (m) showRetry(m, id, r === null ? "not sent: the server could not be reached" : "not sent: " + ((r.data && r.data.error) || "server error " + r.status));
+        if (m) showRetry(m, id, r === null ? "not sent: the console could not be reached or did not answer" : "not sent: " + ((r.data && r.data.error) || "server error " + r.status));
         return;
       }
       if (!r.ok) {
@@ -301,13 +332,27 @@
       }
     });
 
+    // A hidden tab holds no event stream. A browser opens at most 6 connections to one host
+    // over HTTP/1.1, and each stream holds one: with 6 chat tabs streaming, no other request
+    // of the console (a send) could start. When the tab shows again, the stream reopens, and
+    // its first event rebuilds every state from the server.
+    document.addEventListener("visibilitychange", () => {
+      if (document.hidden) {
+        if (es) es.close();
+        es = null;
+        clearTimeout(reopenTimer);
+      } else if (current !== null && !es) {
+        subscribe();
+      }
+    });
+
     loadConversations().then(() => {
       const h = location.hash.slice(1);
       if (h) {
         try { open(decodeURIComponent(h)); } catch (e) { /* a malformed hash opens nothing */ }
       }
     });
-    setInterval(loadConversations, 5000);
+    setInterval(() => { if (!document.hidden) loadConversations(); }, 5000);
   }
 
   // ---- system -----------------------------------------------------------------------------
@@ -441,7 +486,7 @@
     async function refresh() {
       let r;
       try {
-        r = await api("GET", "/api/messages/" + encodeURIComponent(id));
+        r = await api("GET", "/api/messages/" + seg(id));
       } catch (e) {
         setConn(false);
         return;
