@@ -20,7 +20,7 @@ import (
 func (w *Worker) runTurn(ctx context.Context, conv, runID string, c claim, claimed time.Time) []int64 {
 	ctx, span := w.startTurn(ctx, conv, runID, c, claimed, time.Now())
 	defer span.End()
-	traceContext := formatTraceparent(span.SpanContext())
+	traceContext := turnTraceparent(span, c)
 	log := w.cfg.Logger.With("conversation_id", conv, "run_id", runID)
 	started := w.clock.Now()
 	w.m.running.Inc()

@@ -73,6 +73,21 @@ func unhex(c byte) byte {
 	return c - '0'
 }
 
+// turnTraceparent is the trace context stored with the turn's reply: the turn span's. A span
+// that records nothing (tracing off) carries its parent's context, so the parent's stored
+// string is the same value, without formatting it again.
+func turnTraceparent(span trace.Span, c claim) string {
+	if !span.IsRecording() {
+		for _, tc := range c.traces {
+			if wire.ValidTraceparent(tc) {
+				return tc
+			}
+		}
+		return ""
+	}
+	return formatTraceparent(span.SpanContext())
+}
+
 // formatTraceparent returns sc as a version-00 traceparent, "" when it is not valid.
 func formatTraceparent(sc trace.SpanContext) string {
 	if !sc.IsValid() {
@@ -99,9 +114,11 @@ func (w *Worker) startTurn(ctx context.Context, conv, runID string, c claim, cla
 			links = append(links, trace.Link{SpanContext: sc})
 		}
 	}
-	ctx, span := w.tracer.Start(ctx, "baton.turn", trace.WithTimestamp(claimed), trace.WithLinks(links...),
-		trace.WithSpanKind(trace.SpanKindConsumer))
+	ctx, span := w.tracer.Start(ctx, "baton.turn", trace.WithTimestamp(claimed), trace.WithSpanKind(trace.SpanKindConsumer))
 	if span.IsRecording() {
+		for _, l := range links {
+			span.AddLink(l)
+		}
 		msgIDs := make([]string, len(c.messages))
 		for i, m := range c.messages {
 			msgIDs[i] = m.ID
