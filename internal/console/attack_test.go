@@ -78,6 +78,8 @@ func TestAttackQueriesScanWholeTables(t *testing.T) {
 		args []any
 	}{
 		{"timeline outbox row (message page, every second)", timelineOutboxSQL, []any{"m123"}},
+		{"timeline outbox row of a reply (message page, every second)", timelineAnsweredSQL,
+			[]any{"r123", "c123", time.Now().Add(-123 * time.Minute)}},
 		{"workers (system view)", workersSQL, []any{maxWorkers}},
 		{"turn series (system view)", seriesSQL, []any{chartWindow.Seconds(), chartBucket.Seconds()}},
 		{"conversation list (chat, every 5 s)", conversationsSQL, []any{maxConversations}},
@@ -231,17 +233,21 @@ func TestAttackHugeWorkerAndToolNamesNotClipped(t *testing.T) {
 	require.Empty(t, big, "answers carrying a worker's or tool's name whole")
 }
 
-// countingHandler counts the records logged at Warn or above.
+// countingHandler counts the records logged at Warn or above, and those at Info.
 type countingHandler struct {
 	slog.Handler
-	n *atomic.Int64
+	n    *atomic.Int64
+	info *atomic.Int64
 }
 
 func (h countingHandler) Enabled(context.Context, slog.Level) bool { return true }
 
 func (h countingHandler) Handle(_ context.Context, r slog.Record) error {
-	if r.Level >= slog.LevelWarn {
+	switch {
+	case r.Level >= slog.LevelWarn:
 		h.n.Add(1)
+	case r.Level == slog.LevelInfo && h.info != nil:
+		h.info.Add(1)
 	}
 	return nil
 }
@@ -252,8 +258,8 @@ func (h countingHandler) Handle(_ context.Context, r slog.Record) error {
 // again when it ends), not bury the log.
 func TestAttackDatabaseOutageFloodsTheLog(t *testing.T) {
 	t.Parallel()
-	var warnings atomic.Int64
-	log := slog.New(countingHandler{Handler: slog.DiscardHandler, n: &warnings})
+	var warnings, infos atomic.Int64
+	log := slog.New(countingHandler{Handler: slog.DiscardHandler, n: &warnings, info: &infos})
 	e := setup(t, Config{PollInterval: 5 * time.Millisecond, Logger: log}, false)
 	e.createConversation(t, "conv-1")
 	s := e.openStream(t, "conv-1")
@@ -261,12 +267,19 @@ func TestAttackDatabaseOutageFloodsTheLog(t *testing.T) {
 
 	// The outbox is away (as a dropped or unreachable database makes every read fail).
 	exec(t, e.db.Pool, `ALTER TABLE agent_outbox RENAME TO agent_outbox_away`)
-	t.Cleanup(func() { exec(t, e.db.Pool, `ALTER TABLE agent_outbox_away RENAME TO agent_outbox`) })
+	// 2 seconds are 400 polls: a warning per poll would pass the threshold 4 times over.
 	const flood = 100
-	deadline := time.Now().Add(waitFor)
+	deadline := time.Now().Add(2 * time.Second)
 	for warnings.Load() < flood && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	t.Logf("warnings: %d", warnings.Load())
 	require.Less(t, warnings.Load(), int64(flood), "one stream logged a warning per poll during one outage")
+	require.Positive(t, warnings.Load(), "the outage was not logged")
+
+	// The outage ends: the stream says so once.
+	before := infos.Load()
+	exec(t, e.db.Pool, `ALTER TABLE agent_outbox_away RENAME TO agent_outbox`)
+	require.Eventually(t, func() bool { return infos.Load() > before }, waitFor, 5*time.Millisecond,
+		"the end of the outage was not logged")
 }

@@ -35,6 +35,10 @@ const (
 	DefaultMaxBodyBytes = 64 << 10
 	// DefaultMaxContentBytes caps a message's content (the producer's MaxContentBytes).
 	DefaultMaxContentBytes = 32 << 10
+	// DefaultRequestTimeout bounds the database work of one API request.
+	DefaultRequestTimeout = 10 * time.Second
+	// DefaultStreamReadTimeout bounds one read of an event stream's poll.
+	DefaultStreamReadTimeout = 5 * time.Second
 )
 
 // Settings are the console's own settings, from the environment (BATON_CONSOLE_*); flags may
@@ -141,6 +145,14 @@ type Config struct {
 	MaxBodyBytes int64
 	// MaxContentBytes caps message contents. Default: DefaultMaxContentBytes.
 	MaxContentBytes int
+	// RequestTimeout bounds the database work of one API request: a database that stops
+	// answering (a half-open connection, a failover whose old address went away) makes the
+	// request answer 503 instead of hanging until the client gives up. Default:
+	// DefaultRequestTimeout.
+	RequestTimeout time.Duration
+	// StreamReadTimeout bounds each read of an event stream's poll; a read that times out is
+	// retried at the next poll. Default: DefaultStreamReadTimeout.
+	StreamReadTimeout time.Duration
 	// Logger receives the console's logs. Default: nil, discard.
 	Logger *slog.Logger
 }

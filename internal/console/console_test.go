@@ -52,6 +52,14 @@ func TestSendWritesOneMessage(t *testing.T) {
 	code, body = e.do(t, http.MethodGet, "/api/conversations", nil)
 	require.Equal(t, http.StatusOK, code)
 	require.Contains(t, string(body), `"id":"conv-1"`)
+	// The newest conversation comes first.
+	e.createConversation(t, "conv-0")
+	code, body = e.do(t, http.MethodGet, "/api/conversations", nil)
+	require.Equal(t, http.StatusOK, code)
+	var convs struct{ Conversations []Conversation }
+	require.NoError(t, json.Unmarshal(body, &convs))
+	require.Len(t, convs.Conversations, 2)
+	require.Equal(t, "conv-0", convs.Conversations[0].ID)
 
 	// Creating it again says so; an empty id makes one.
 	code, _ = e.do(t, http.MethodPost, "/api/conversations", map[string]string{"id": "conv-1"})
@@ -203,6 +211,17 @@ func TestEventsFollowTheDatabase(t *testing.T) {
 	require.NoError(t, json.Unmarshal(body, &tl))
 	require.Equal(t, "replied", tl.Entries[len(tl.Entries)-1].Kind)
 	require.Equal(t, "echo: hello", tl.Entries[len(tl.Entries)-1].Text)
+
+	// A reply's timeline finds the row it answered through the run that wrote it.
+	code, body = e.do(t, http.MethodGet, "/api/messages/baton:reply:m1", nil)
+	require.Equal(t, http.StatusOK, code, string(body))
+	tl = Timeline{}
+	require.NoError(t, json.Unmarshal(body, &tl))
+	require.NotNil(t, tl.Outbox, string(body))
+	require.Equal(t, *replied.OutboxID, tl.Outbox.ID)
+	require.Len(t, tl.Runs, 1)
+	require.Equal(t, w.runID, tl.Runs[0].RunID)
+	require.Equal(t, StateReplied, tl.State)
 }
 
 // TestLargeTextsAreClipped: a message or reply larger than a page should carry (any role that
@@ -389,4 +408,7 @@ func TestStatus(t *testing.T) {
 	require.Equal(t, "worker-a", st.Console.Workers[0].Name)
 	require.NotEmpty(t, st.Console.Series)
 	require.Greater(t, st.Console.TurnsPerSecond, 0.0)
+	last := st.Console.Series[len(st.Console.Series)-1]
+	require.NotNil(t, last.LatencySeconds, "latency from the message sent to its run's end")
+	require.GreaterOrEqual(t, *last.LatencySeconds, 0.0)
 }

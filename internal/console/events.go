@@ -1,6 +1,7 @@
 package console
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -28,7 +29,12 @@ type messagesEvent struct {
 // message (full), then each message whose view changed. It reads the rows every PollInterval
 // and at once when the conversation's outcome is published (Run) or a message is sent through
 // this console. The stream ends with its request's context: the client leaving, or Serve
-// stopping.
+// stopping, which also ends a write blocked on a client that stopped reading.
+//
+// Each read is bounded by StreamReadTimeout, so a database that stops answering never holds a
+// stream; a failed read is retried at the next poll. A stream logs one warning when its reads
+// start failing and one info line when they work again, not one per poll: 64 streams polling
+// every 250 ms through an outage would bury the log.
 func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
 	if n := s.streams.Add(1); n > int64(s.cfg.MaxStreams) {
 		s.streams.Add(-1)
@@ -36,7 +42,9 @@ func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer s.streams.Add(-1)
-	conv, ok := s.conversationFromPath(w, r)
+	checkCtx, cancelCheck := context.WithTimeoutCause(r.Context(), s.cfg.RequestTimeout, errDatabaseTimeout)
+	conv, ok := s.conversationFromPath(w, r.WithContext(checkCtx))
+	cancelCheck()
 	if !ok {
 		return
 	}
@@ -44,6 +52,13 @@ func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
 	rc := http.NewResponseController(w)
 	wake, unwatch := s.watch(conv)
 	defer unwatch()
+	// A write to a client that stopped reading blocks until writeTimeout; when the stream's
+	// context ends (the client left, Serve stops) the write must end at once, or Shutdown waits
+	// for it. Setting a past deadline from another goroutine is safe (net.Conn's methods are),
+	// and write sets its own deadline before it checks ctx: a deadline set by write after this
+	// one is followed by that check, which then fails, so it never undoes this one.
+	stopUnblock := context.AfterFunc(ctx, func() { _ = rc.SetWriteDeadline(time.Now()) })
+	defer stopUnblock()
 
 	w.Header().Set("Content-Type", "text/event-stream")
 	w.Header().Set("Cache-Control", "no-store")
@@ -51,6 +66,9 @@ func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 	write := func(payload []byte) bool {
 		_ = rc.SetWriteDeadline(time.Now().Add(writeTimeout))
+		if ctx.Err() != nil {
+			return false
+		}
 		if _, err := w.Write(payload); err != nil {
 			return false
 		}
@@ -66,15 +84,26 @@ func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
 	keepalive := time.NewTicker(keepaliveEvery)
 	defer keepalive.Stop()
 	var last map[string]MessageView
+	failing := false // the last read failed; logged once per outage, not once per poll
 	for {
-		rows, err := conversationMessages(ctx, s.cfg.Pool, conv)
+		readCtx, cancelRead := context.WithTimeout(ctx, s.cfg.StreamReadTimeout)
+		rows, err := conversationMessages(readCtx, s.cfg.Pool, conv)
+		cancelRead()
 		if err != nil {
 			if ctx.Err() != nil {
 				return
 			}
-			// The database is away: say nothing new, try again at the next poll.
-			s.log.Warn("console: read conversation for a stream", "conversation_id", conv, "error", err)
+			// The database is away or too slow: say nothing new, try again at the next poll.
+			if !failing {
+				s.log.Warn("console: a stream cannot read its conversation; retrying every poll",
+					"conversation_id", conv, "error", err)
+				failing = true
+			}
 		} else {
+			if failing {
+				s.log.Info("console: a stream reads its conversation again", "conversation_id", conv)
+				failing = false
+			}
 			diff, idx := changed(last, views(rows))
 			if last == nil || len(diff) > 0 {
 				ev := messagesEvent{ConversationID: conv, Full: last == nil, Messages: diff}

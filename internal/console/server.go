@@ -64,6 +64,12 @@ func New(cfg Config) (*Server, error) {
 	if cfg.MaxContentBytes <= 0 {
 		cfg.MaxContentBytes = DefaultMaxContentBytes
 	}
+	if cfg.RequestTimeout <= 0 {
+		cfg.RequestTimeout = DefaultRequestTimeout
+	}
+	if cfg.StreamReadTimeout <= 0 {
+		cfg.StreamReadTimeout = DefaultStreamReadTimeout
+	}
 	if cfg.SubjectPrefix == "" {
 		cfg.SubjectPrefix = wire.DefaultSubjectPrefix
 	}
@@ -93,17 +99,39 @@ func (s *Server) routes() {
 	m.HandleFunc("GET /system", s.page("system.html"))
 	m.HandleFunc("GET /messages/{id}", s.page("message.html"))
 	m.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
-	m.HandleFunc("GET /api/conversations", s.handleConversations)
-	m.HandleFunc("POST /api/conversations", s.handleCreateConversation)
-	m.HandleFunc("GET /api/conversations/{id}/messages", s.handleMessages)
-	m.HandleFunc("POST /api/conversations/{id}/messages", s.handleSend)
-	m.HandleFunc("GET /api/conversations/{id}/events", s.handleEvents)
-	m.HandleFunc("GET /api/messages/{id}", s.handleTimeline)
-	m.HandleFunc("GET /api/status", s.handleStatus)
+	m.HandleFunc("GET /api/conversations", s.bounded(s.handleConversations))
+	m.HandleFunc("POST /api/conversations", s.bounded(s.handleCreateConversation))
+	m.HandleFunc("GET /api/conversations/{id}/messages", s.bounded(s.handleMessages))
+	m.HandleFunc("POST /api/conversations/{id}/messages", s.bounded(s.handleSend))
+	m.HandleFunc("GET /api/conversations/{id}/events", s.handleEvents) // bounds each read itself
+	m.HandleFunc("GET /api/messages/{id}", s.bounded(s.handleTimeline))
+	m.HandleFunc("GET /api/status", s.bounded(s.handleStatus))
 	m.HandleFunc("/api/", func(w http.ResponseWriter, _ *http.Request) {
 		writeError(w, http.StatusNotFound, "no such API endpoint or method")
 	})
 	s.mux = m
+}
+
+// errDatabaseTimeout is the cause of a request context that RequestTimeout ended.
+var errDatabaseTimeout = errors.New("the database did not answer in time")
+
+// bounded gives h's request a context that ends after RequestTimeout (cause
+// errDatabaseTimeout): a database that stops answering without closing the connection (a
+// half-open TCP connection, a failover whose old address went away) would otherwise hold the
+// request until the client gives up, and the page could not tell a lost send from a slow one.
+// pgx turns the deadline into a network deadline, so a frozen connection's read returns.
+func (s *Server) bounded(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeoutCause(r.Context(), s.cfg.RequestTimeout, errDatabaseTimeout)
+		defer cancel()
+		h(w, r.WithContext(ctx))
+	}
+}
+
+// timedOut reports whether r's context was ended by RequestTimeout (bounded), not by the client
+// leaving or the server stopping.
+func timedOut(r *http.Request) bool {
+	return errors.Is(context.Cause(r.Context()), errDatabaseTimeout)
 }
 
 // Handler returns the console's HTTP handler: /healthz answers without auth, everything else
@@ -241,8 +269,9 @@ func (s *Server) wake(conv string) {
 }
 
 // Serve serves the console on ln, which it closes, until ctx ends; then it ends the event
-// streams (their requests' context is ctx's) and shuts down, waiting up to 5 seconds for
-// requests in flight.
+// streams (their requests' context ends with ctx, and a stream's write blocked on a client that
+// stopped reading is cut: handleEvents) and shuts down, waiting up to 5 seconds for requests in
+// flight, whose database work RequestTimeout bounds.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	srvCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
@@ -284,6 +313,15 @@ func writeError(w http.ResponseWriter, code int, msg string) {
 	writeJSON(w, code, apiError{Error: msg})
 }
 
+// dbTimeout logs a request whose database work ran out of time and answers 503 with advice,
+// which the page shows with a retry.
+func (s *Server) dbTimeout(w http.ResponseWriter, r *http.Request, err error, advice string) {
+	s.log.Warn("console request: the database did not answer in time", "method", r.Method, "path", r.URL.Path,
+		"timeout", s.cfg.RequestTimeout, "error", err)
+	writeError(w, http.StatusServiceUnavailable,
+		fmt.Sprintf("the database did not answer within %s; %s", s.cfg.RequestTimeout, advice))
+}
+
 func writeJSON(w http.ResponseWriter, code int, v any) {
 	w.Header().Set("Content-Type", "application/json; charset=utf-8")
 	w.Header().Set("Cache-Control", "no-store")
@@ -291,8 +329,13 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
-// internalError logs err and answers a generic 500: internal text never reaches a client.
+// internalError logs err and answers a generic 500, or 503 when the request's database work
+// ran out of time (bounded): internal text never reaches a client.
 func (s *Server) internalError(w http.ResponseWriter, r *http.Request, err error) {
+	if timedOut(r) {
+		s.dbTimeout(w, r, err, "retry")
+		return
+	}
 	if r.Context().Err() != nil {
 		return // the client left or the server stops
 	}
@@ -481,6 +524,11 @@ func (s *Server) handleSend(w http.ResponseWriter, r *http.Request) {
 		return
 	case errors.Is(err, producer.ErrConflict):
 		writeError(w, http.StatusConflict, "message id already used by a different message")
+		return
+	case err != nil && timedOut(r):
+		// Whether the message committed is unknown; sending it again with the same id is
+		// answered like the first send, never stored twice.
+		s.dbTimeout(w, r, err, "retry (the same id is safe)")
 		return
 	case err != nil:
 		s.internalError(w, r, err)

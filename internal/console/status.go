@@ -16,8 +16,6 @@ import (
 const (
 	chartWindow = 5 * time.Minute
 	chartBucket = 10 * time.Second
-	// statusTimeout bounds reading one status.
-	statusTimeout = 10 * time.Second
 )
 
 // Status is what GET /api/status answers: the report of `baton status --json`, its fields at the
@@ -39,18 +37,19 @@ type Extra struct {
 	// Workers are the workers that started a run in the last hour.
 	Workers     []Worker `json:"workers"`
 	WorkerError string   `json:"worker_error,omitempty"`
-	// TurnsPerSecond is the rate of finished outbox rows over the last minute.
+	// TurnsPerSecond is the rate of turns ended (runs done or error) over the last minute.
 	TurnsPerSecond float64 `json:"turns_per_second"`
-	// Series is the last minutes, bucketed: finished rows per second and median latency.
+	// Series is the last minutes, bucketed: turns ended per second and the median latency
+	// from a message sent to the end of the run that answered it.
 	Series        []SeriesPoint `json:"series"`
 	SeriesError   string        `json:"series_error,omitempty"`
 	BucketSeconds float64       `json:"bucket_seconds"`
 }
 
+// handleStatus answers the status; its request's context ends after RequestTimeout (bounded),
+// and what could not be read by then is reported in the status's fields.
 func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := context.WithTimeout(r.Context(), statusTimeout)
-	defer cancel()
-	writeJSON(w, http.StatusOK, s.status(ctx))
+	writeJSON(w, http.StatusOK, s.status(r.Context()))
 }
 
 func (s *Server) status(ctx context.Context) Status {

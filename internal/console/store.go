@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -35,9 +36,13 @@ func clip(col string, n int) string {
 }
 
 // The longest texts the chat (per message and reply) and the timeline show, in characters.
+// nameChars bounds the names workers write and every page shows (agent_runs.worker,
+// operations.tool): baton_worker may write any text there, and a whole 8 MB name would ride on
+// every stream event, timeline and status.
 const (
 	chatTextChars     = 4000
 	timelineTextChars = 64000
+	nameChars         = 200
 )
 
 // Conversation is one entry of the chat's conversation list.
@@ -47,8 +52,12 @@ type Conversation struct {
 	LastMessageAt *time.Time `json:"last_message_at"`
 }
 
+// conversationsSQL lists the newest conversations first, by creation: an index scan of
+// conversations_created (migration 9). Ordering by last activity would need an index on
+// last_message_at, which every worker commit updates: each would then be a non-HOT update of
+// conversations, a cost on the core path for a console feature.
 const conversationsSQL = `SELECT id, created_at, last_message_at FROM conversations
-	ORDER BY coalesce(last_message_at, created_at) DESC, id LIMIT $1`
+	ORDER BY created_at DESC, id LIMIT $1`
 
 func listConversations(ctx context.Context, db *pgxpool.Pool) ([]Conversation, error) {
 	rows, err := db.Query(ctx, conversationsSQL, maxConversations)
@@ -102,13 +111,19 @@ type messageRow struct {
 // messageColumns is shared by messagesSQL and messageRowSQL. last_error is never read: it
 // holds internal error text, which no page shows (the error message in the conversation,
 // reply_id, holds the generic text users see).
+//
+// The reply is read only when it is an assistant or error message of the row's own
+// conversation: baton_worker may set reply_id to any message, and the key on reply_id checks
+// only that it exists, so without these conditions a row could show another conversation's
+// words as its answer.
 var messageColumns = `m.id, m.conversation_id, ` + clip("m.content", chatTextChars) + `, m.created_at,
-	o.id, o.status, o.attempts, o.available_at, o.lease_expires_at, o.run_id::text, r.worker, r.started_at,
+	o.id, o.status, o.attempts, o.available_at, o.lease_expires_at, o.run_id::text, ` + clip("r.worker", nameChars) + `, r.started_at,
 	p.id, p.role, ` + clip("p.content", chatTextChars) + `, p.created_at
 	FROM messages m
 	LEFT JOIN agent_outbox o ON o.message_id = m.id
 	LEFT JOIN agent_runs r ON r.run_id = o.run_id
-	LEFT JOIN messages p ON p.id = o.reply_id`
+	LEFT JOIN messages p ON p.id = o.reply_id AND p.conversation_id = o.conversation_id
+		AND p.conversation_id = m.conversation_id AND p.role IN ('assistant', 'error')`
 
 // messagesSQL reads the latest user messages of a conversation, oldest first.
 var messagesSQL = `SELECT * FROM (SELECT ` + messageColumns + `
@@ -202,18 +217,37 @@ type TimelineReply struct {
 
 var timelineMessageSQL = `SELECT id, conversation_id, role, ` + clip("content", timelineTextChars) + `, created_at FROM messages WHERE id = $1`
 
-// timelineOutboxSQL finds the outbox row of a user message, or the one a reply answered.
-const timelineOutboxSQL = `SELECT id, status, attempts, created_at, available_at, processed_at, run_id::text,
-	lease_expires_at, reply_id FROM agent_outbox WHERE message_id = $1 OR reply_id = $1
-	ORDER BY (message_id = $1) DESC LIMIT 1`
+// timelineOutboxColumns are the outbox row's columns a timeline reads.
+const timelineOutboxColumns = `o.id, o.conversation_id, o.status, o.attempts, o.created_at, o.available_at, o.processed_at,
+	o.run_id::text, o.lease_expires_at, o.reply_id`
 
-const timelineRunsSQL = `SELECT run_id::text, worker, started_at, finished_at, outcome FROM agent_runs
+// timelineOutboxSQL finds the outbox row of a user message (its unique index on message_id).
+const timelineOutboxSQL = `SELECT ` + timelineOutboxColumns + ` FROM agent_outbox o WHERE o.message_id = $1`
+
+// timelineAnsweredSQL finds the outbox row a reply ($1, of conversation $2, written at $3)
+// answered without an index on agent_outbox.reply_id, which every worker commit sets (an index
+// there would make each commit a non-HOT update of agent_outbox): the reply is written by the
+// final commit of the run that claimed the row, or by the recovery of the last run that did,
+// and runs of one conversation never overlap, so the row is among those claimed by the
+// conversation's last runs started before the reply (agent_runs_conversation), read by primary
+// key. reply_id = $1 checks the find; a row not found this way leaves the timeline at the
+// message itself.
+const timelineAnsweredSQL = `SELECT ` + timelineOutboxColumns + ` FROM agent_outbox o
+	WHERE o.id = ANY (ARRAY(SELECT unnest(r.outbox_ids) FROM (SELECT outbox_ids FROM agent_runs
+		WHERE conversation_id = $2 AND started_at <= $3 ORDER BY started_at DESC LIMIT 2) r))
+	AND o.conversation_id = $2 AND o.reply_id = $1
+	ORDER BY o.id LIMIT 1`
+
+var timelineRunsSQL = `SELECT run_id::text, ` + clip("worker", nameChars) + `, started_at, finished_at, outcome FROM agent_runs
 	WHERE conversation_id = $1 AND $2::bigint = ANY (outbox_ids) ORDER BY started_at, run_id LIMIT $3`
 
-const timelineOpsSQL = `SELECT id, run_id::text, tool, effect, status, started_at, finished_at FROM operations
+var timelineOpsSQL = `SELECT id, run_id::text, ` + clip("tool", nameChars) + `, effect, status, started_at, finished_at FROM operations
 	WHERE conversation_id = $1 AND run_id = ANY ($2::uuid[]) ORDER BY started_at, id LIMIT $3`
 
-var timelineReplySQL = `SELECT id, role, ` + clip("content", timelineTextChars) + `, created_at FROM messages WHERE id = $1`
+// timelineReplySQL reads the reply ($1) only when it is an assistant or error message of the
+// conversation ($2): reply_id may name any message (see messageColumns).
+var timelineReplySQL = `SELECT id, role, ` + clip("content", timelineTextChars) + `, created_at FROM messages
+	WHERE id = $1 AND conversation_id = $2 AND role IN ('assistant', 'error')`
 
 func readTimeline(ctx context.Context, db *pgxpool.Pool, id string) (*Timeline, error) {
 	tl := &Timeline{Runs: []TimelineRun{}, Ops: []TimelineOp{}}
@@ -226,8 +260,13 @@ func readTimeline(ctx context.Context, db *pgxpool.Pool, id string) (*Timeline, 
 		return nil, fmt.Errorf("read message: %w", err)
 	}
 	var o TimelineOutbox
+	var outboxConv string
 	var replyID *string
-	err = db.QueryRow(ctx, timelineOutboxSQL, id).Scan(&o.ID, &o.Status, &o.Attempts, &o.CreatedAt, &o.AvailableAt,
+	outboxSQL, args := timelineOutboxSQL, []any{id}
+	if m.Role != "user" {
+		outboxSQL, args = timelineAnsweredSQL, []any{id, m.ConversationID, m.CreatedAt}
+	}
+	err = db.QueryRow(ctx, outboxSQL, args...).Scan(&o.ID, &outboxConv, &o.Status, &o.Attempts, &o.CreatedAt, &o.AvailableAt,
 		&o.ProcessedAt, &o.RunID, &o.LeaseExpiresAt, &replyID)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
@@ -265,11 +304,11 @@ func readTimeline(ctx context.Context, db *pgxpool.Pool, id string) (*Timeline, 
 	if err != nil {
 		return nil, fmt.Errorf("read operations: %w", err)
 	}
-	if replyID != nil {
+	if replyID != nil && outboxConv == m.ConversationID {
 		var rp TimelineReply
-		err := db.QueryRow(ctx, timelineReplySQL, *replyID).Scan(&rp.ID, &rp.Role, &rp.Content, &rp.CreatedAt)
+		err := db.QueryRow(ctx, timelineReplySQL, *replyID, m.ConversationID).Scan(&rp.ID, &rp.Role, &rp.Content, &rp.CreatedAt)
 		switch {
-		case errors.Is(err, pgx.ErrNoRows): // deleted meanwhile
+		case errors.Is(err, pgx.ErrNoRows): // deleted meanwhile, or not a reply of this conversation
 		case err != nil:
 			return nil, fmt.Errorf("read reply: %w", err)
 		default:
@@ -288,8 +327,9 @@ type Worker struct {
 	LastSeen time.Time `json:"last_seen"`
 }
 
-// workersSQL lists the workers that started a run in the last hour.
-const workersSQL = `SELECT worker, count(*), count(*) FILTER (WHERE finished_at IS NULL), max(started_at)
+// workersSQL lists the workers that started a run in the last hour: an index scan of
+// agent_runs_started (migration 9) over that hour's runs.
+var workersSQL = `SELECT ` + clip("worker", nameChars) + `, count(*), count(*) FILTER (WHERE finished_at IS NULL), max(started_at)
 	FROM agent_runs WHERE started_at > now() - interval '1 hour'
 	GROUP BY worker ORDER BY max(started_at) DESC, worker LIMIT $1`
 
@@ -313,19 +353,30 @@ func readWorkers(ctx context.Context, db *pgxpool.Pool) ([]Worker, error) {
 type SeriesPoint struct {
 	// At is the bucket's start.
 	At time.Time `json:"at"`
-	// TurnsPerSecond is the outbox rows finished (done or error) in the bucket, per second.
+	// TurnsPerSecond is the turns (runs) that ended with a reply or an error message (outcome
+	// done or error) in the bucket, per second.
 	TurnsPerSecond float64 `json:"turns_per_second"`
-	// LatencySeconds is the median time from a row's creation to its end, for rows finished
-	// in the bucket; nil when none did.
+	// LatencySeconds is the median time from an outbox row's creation (the message sent) to
+	// the end of the run that answered it, for the rows of the runs ended in the bucket; nil
+	// when none did.
 	LatencySeconds *float64 `json:"latency_seconds"`
 }
 
-// seriesSQL buckets the outbox rows finished in the last $1 seconds by $2 seconds. It scans the
-// rows processed in the window; processed_at has no index, which costs a scan of agent_outbox
-// per refresh of the system view.
-const seriesSQL = `SELECT to_timestamp(floor(extract(epoch FROM processed_at) / $2) * $2) AS at,
-	count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM processed_at - created_at))
-	FROM agent_outbox WHERE status IN ('done', 'error') AND processed_at > now() - make_interval(secs => $1)
+// chartLongestTurn is how long before the chart's window a turn ending in it may have started:
+// seriesSQL reads the runs started since the window's start minus this (agent_runs_started,
+// migration 9), so a longer turn is left out of the chart.
+const chartLongestTurn = 15 * time.Minute
+
+// seriesSQL buckets the runs ended (done or error) in the last $1 seconds by $2 seconds, with
+// the rows each claimed read by primary key for the latency. Outbox rows are not read by
+// processed_at, which has no index: an index there would make every worker commit a non-HOT
+// update of agent_outbox. The cost per refresh is one index probe per row finished in the
+// window.
+var seriesSQL = `SELECT to_timestamp(floor(extract(epoch FROM r.finished_at) / $2) * $2) AS at,
+	count(DISTINCT r.run_id), percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM r.finished_at - o.created_at))
+	FROM agent_runs r LEFT JOIN agent_outbox o ON o.id = ANY (r.outbox_ids) AND o.conversation_id = r.conversation_id
+	WHERE r.started_at > now() - make_interval(secs => $1 + ` + strconv.Itoa(int(chartLongestTurn.Seconds())) + `)
+	AND r.finished_at > now() - make_interval(secs => $1) AND r.outcome IN ('done', 'error')
 	GROUP BY 1 ORDER BY 1`
 
 func readSeries(ctx context.Context, db *pgxpool.Pool, window, bucket time.Duration) ([]SeriesPoint, error) {
