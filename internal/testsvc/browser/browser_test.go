@@ -17,7 +17,7 @@ import (
 // reads it back: Chromium starts on this machine, runs JavaScript and reaches localhost.
 func TestBrowserRunsScript(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		fmt.Fprint(w, `<!doctype html><body><p id="out">static</p>
+		_, _ = fmt.Fprint(w, `<!doctype html><body><p id="out">static</p>
 <script>document.getElementById("out").textContent = "from script " + (6 * 7);</script></body>`)
 	}))
 	defer srv.Close()
@@ -30,7 +30,7 @@ func TestBrowserRunsScript(t *testing.T) {
 	t.Setenv(ScreenshotsEnv, t.TempDir())
 	f, err := os.Open(Screenshot(ctx, t, "page.png"))
 	require.NoError(t, err)
-	defer f.Close()
+	defer func() { _ = f.Close() }()
 	img, err := png.Decode(f)
 	require.NoError(t, err, "the screenshot is a PNG")
 	require.Equal(t, 1280, img.Bounds().Dx())
