@@ -22,9 +22,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -102,4 +104,18 @@ func programName() string {
 		return "baton"
 	}
 	return strings.TrimSuffix(filepath.Base(os.Args[0]), ".exe")
+}
+
+// FlushTimeout bounds how long Stop waits for the exporter to send the spans it holds.
+const FlushTimeout = 5 * time.Second
+
+// Stop calls shutdown (Setup's) to flush and stop the exporter, within FlushTimeout even when ctx
+// is cancelled already (a program stopping on a signal still sends its last spans), and logs a
+// failure on log. Programs defer it right after Setup.
+func Stop(ctx context.Context, shutdown func(context.Context) error, log *slog.Logger) {
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), FlushTimeout)
+	defer cancel()
+	if err := shutdown(sctx); err != nil {
+		log.Warn("flush traces", "error", err)
+	}
 }

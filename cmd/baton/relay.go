@@ -73,13 +73,7 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 	if err != nil {
 		return reportFailure(log, err, 0)
 	}
-	defer func() {
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		if err := shutdownTracing(sctx); err != nil {
-			log.Warn("flush traces", "error", err)
-		}
-	}()
+	defer tracing.Stop(ctx, shutdownTracing, log)
 
 	// nats.go closes a connection for good only when a reconnect's login was refused twice in
 	// a row (or on a protocol error): reconnects are unlimited otherwise. The relay then

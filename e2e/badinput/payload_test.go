@@ -86,7 +86,7 @@ func TestSmallMaxPayload(t *testing.T) {
 	require.Equal(t, 200000, rec.RawBytes)
 	require.NotEmpty(t, rec.Raw)
 	require.Less(t, len(rec.Raw), maxPayload)
-	s.relay.waitLog(t, "setting it aside in the dead-letter stream", time.Second, `"kind":"answers"`)
+	s.relay.WaitLog(t, "setting it aside in the dead-letter stream", time.Second, `"kind":"answers"`)
 
 	// Every message of every stream fits the server's limit (turn events as published: the
 	// work queue deleted them once acknowledged).
@@ -101,7 +101,7 @@ func TestSmallMaxPayload(t *testing.T) {
 		}
 	}
 	// The relay's only ERROR is the dead letter's.
-	for _, l := range s.relay.logLines() {
+	for _, l := range s.relay.LogLines() {
 		if strings.Contains(l, `"level":"ERROR"`) {
 			require.Contains(t, l, "dead-letter", "relay error log")
 		}

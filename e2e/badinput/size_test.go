@@ -77,7 +77,7 @@ func TestTenMiBMessage(t *testing.T) {
 	s.requireAllAnswered(time.Minute)
 	requireNoErrorLogs(t, s.relay)
 	// The worker logs the failed turn; nothing else.
-	for _, l := range s.worker.logLines() {
+	for _, l := range s.worker.LogLines() {
 		if strings.Contains(l, `"level":"ERROR"`) {
 			require.Contains(t, l, "MaxTurnBytes", "worker error log")
 		}

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/consumer"
+	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/producer"
 )
 
@@ -66,13 +67,13 @@ func TestOperatorDeletesStreams(t *testing.T) {
 
 	require.NoError(t, s.js.DeleteStream(ctx, "AGENT_TURNS"))
 	turnsGone := s.dbNow()
-	s.relay.waitStreamGone(t, "agent.turns.")
-	s.worker.waitLog(t, "creating the consumer again", time.Minute)
+	waitStreamGone(t, s.relay, "agent.turns.")
+	s.worker.WaitLog(t, "creating the consumer again", time.Minute)
 	answeredSince(turnsGone)
 
 	require.NoError(t, s.js.DeleteStream(ctx, "AGENT_OUTCOMES"))
 	outcomesGone := s.dbNow()
-	s.relay.waitStreamGone(t, "agent.outcomes.")
+	waitStreamGone(t, s.relay, "agent.outcomes.")
 	answeredSince(outcomesGone)
 	close(stop)
 	wg.Wait()
@@ -136,9 +137,9 @@ func TestOperatorDeletesTurnsStreamDuringBurst(t *testing.T) {
 // waitStreamGone waits until the relay ended a session on a publish to subjects (a prefix)
 // that no stream stored: "no responders", or, when the publish raced the deletion and the
 // stream took it in but was gone before it answered, no PubAck within AckTimeout (10s).
-func (p *process) waitStreamGone(t *testing.T, subjects string) {
+func waitStreamGone(t *testing.T, p *testsvc.Process, subjects string) {
 	t.Helper()
-	line := p.waitLog(t, `"msg":"relay session ended; reconnecting"`, time.Minute, subjects)
+	line := p.WaitLog(t, `"msg":"relay session ended; reconnecting"`, time.Minute, subjects)
 	require.True(t, strings.Contains(line, "no responders") || strings.Contains(line, "no PubAck within"),
 		"the session ended for another reason: %s", line)
 }

@@ -1,17 +1,11 @@
 package badinput
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"os"
-	"os/exec"
-	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -34,8 +28,8 @@ type system struct {
 	nc      *nats.Conn
 	js      jetstream.JetStream
 	prod    *producer.Producer
-	relay   *process
-	worker  *process
+	relay   *testsvc.Process
+	worker  *testsvc.Process
 	// turns holds every turn event the relay published, as a core NATS subscription to the
 	// turn subjects sees them (options.watchTurns): the turns stream is a work queue that
 	// deletes what the worker acknowledged, and no consumer besides the worker's may read it.
@@ -124,14 +118,14 @@ func start(t *testing.T, o options) *system {
 	s.prod, err = producer.New(producer.Config{MaxContentBytes: o.maxContentBytes})
 	require.NoError(t, err)
 	s.relay = s.startRelay()
-	s.relay.waitLog(t, `"msg":"streaming"`, time.Minute)
+	s.relay.WaitLog(t, `"msg":"streaming"`, time.Minute)
 	s.worker = s.startProcess("worker", testsvc.Binary(t, "github.com/batonhq/baton/examples/echoagent"))
-	s.worker.waitLog(t, `"msg":"echoagent started"`, time.Minute)
+	s.worker.WaitLog(t, `"msg":"echoagent started"`, time.Minute)
 	return s
 }
 
 // startRelay starts `baton relay` on the test's database, NATS server and slot.
-func (s *system) startRelay() *process {
+func (s *system) startRelay() *testsvc.Process {
 	return s.startProcess("relay", testsvc.Binary(s.t, "github.com/batonhq/baton/cmd/baton"), "relay")
 }
 
@@ -159,123 +153,17 @@ func startNATS(t *testing.T, maxPayload int32) string {
 	return srv.ClientURL()
 }
 
-// process is a Baton program running as a child process, with its JSON log lines kept.
-type process struct {
-	name   string
-	cmd    *exec.Cmd
-	exited chan struct{}
-	err    error // cmd.Wait's result, set before exited is closed
-
-	mu    sync.Mutex
-	lines []string
-}
-
 // startProcess starts bin with args on the system's database and NATS server. The test's
 // cleanup stops it with SIGTERM and requires a clean exit.
-func (s *system) startProcess(name, bin string, args ...string) *process {
-	t := s.t
-	t.Helper()
-	cmd := exec.Command(bin, args...)
-	cmd.Env = append(os.Environ(),
-		"BATON_DATABASE_URL="+s.db.URL,
-		"BATON_NATS_URL="+s.natsURL,
-		"BATON_SLOT="+s.db.Name, // slots are cluster-wide: one per test
+func (s *system) startProcess(name, bin string, args ...string) *testsvc.Process {
+	return testsvc.StartProcess(s.t, name, bin, []string{
+		"BATON_DATABASE_URL=" + s.db.URL,
+		"BATON_NATS_URL=" + s.natsURL,
+		"BATON_SLOT=" + s.db.Name, // slots are cluster-wide: one per test
 		"BATON_METRICS_ADDR=",
 		"BATON_LOG_LEVEL=info",
 		"BATON_LOG_FORMAT=json",
-	)
-	stderr, err := cmd.StderrPipe()
-	require.NoError(t, err)
-	p := &process{name: name, cmd: cmd, exited: make(chan struct{})}
-	require.NoError(t, cmd.Start())
-	go func() {
-		sc := bufio.NewScanner(stderr)
-		sc.Buffer(make([]byte, 64<<10), 4<<20)
-		for sc.Scan() {
-			p.mu.Lock()
-			p.lines = append(p.lines, sc.Text())
-			p.mu.Unlock()
-		}
-		_, _ = io.Copy(io.Discard, stderr)
-		p.err = cmd.Wait()
-		close(p.exited)
-	}()
-	t.Cleanup(func() {
-		select {
-		case <-p.exited:
-		default:
-			_ = cmd.Process.Signal(syscall.SIGTERM)
-			select {
-			case <-p.exited:
-				if p.err != nil {
-					t.Errorf("%s did not stop cleanly on SIGTERM: %v", name, p.err)
-				}
-			case <-time.After(30 * time.Second):
-				t.Errorf("%s did not stop within 30s of SIGTERM", name)
-				_ = cmd.Process.Kill()
-				<-p.exited
-			}
-		}
-		if t.Failed() {
-			t.Logf("%s log:\n%s", name, p.tail(16<<10))
-		}
-	})
-	return p
-}
-
-// logLines returns the lines logged so far.
-func (p *process) logLines() []string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return append([]string(nil), p.lines...)
-}
-
-// tail returns the last n bytes of the log.
-func (p *process) tail(n int) string {
-	out := strings.Join(p.logLines(), "\n")
-	return out[max(0, len(out)-n):]
-}
-
-// waitLog waits until a log line contains every one of parts and returns it; it fails the test
-// when the process exits first.
-func (p *process) waitLog(t *testing.T, part string, within time.Duration, more ...string) string {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		for _, l := range p.logLines() {
-			if containsAll(l, append([]string{part}, more...)) {
-				return l
-			}
-		}
-		select {
-		case <-p.exited:
-			t.Fatalf("%s exited (%v) before logging %q", p.name, p.err, part)
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s did not log %q %q within %v", p.name, part, more, within)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-// requireRunning fails the test when the process exited.
-func (p *process) requireRunning(t *testing.T) {
-	t.Helper()
-	select {
-	case <-p.exited:
-		t.Fatalf("%s exited: %v", p.name, p.err)
-	default:
-	}
-}
-
-func containsAll(s string, parts []string) bool {
-	for _, p := range parts {
-		if !strings.Contains(s, p) {
-			return false
-		}
-	}
-	return true
+	}, args...)
 }
 
 // ctx returns a context ending after d or with the test.
@@ -390,8 +278,8 @@ func (s *system) requireFlowing(tag string) {
 	require.Equal(t, "done", a.status, "a plain message after %s: %+v", tag, a)
 	require.Equal(t, "echo: still there?", a.reply)
 	s.awaitOutcome(a.replyID, time.Minute)
-	s.relay.requireRunning(t)
-	s.worker.requireRunning(t)
+	s.relay.RequireRunning(t)
+	s.worker.RequireRunning(t)
 }
 
 // awaitOutcome waits for the outcome event of reply message id and returns it.
@@ -463,11 +351,11 @@ func (s *system) dbNow() time.Time {
 }
 
 // requireNoErrorLogs fails the test when a process logged at ERROR.
-func requireNoErrorLogs(t *testing.T, ps ...*process) {
+func requireNoErrorLogs(t *testing.T, ps ...*testsvc.Process) {
 	t.Helper()
 	for _, p := range ps {
-		for _, l := range p.logLines() {
-			require.NotContains(t, l, `"level":"ERROR"`, "%s logged an error", p.name)
+		for _, l := range p.LogLines() {
+			require.NotContains(t, l, `"level":"ERROR"`, "%s logged an error", p.Name)
 		}
 	}
 }

@@ -1,16 +1,9 @@
 package console
 
 import (
-	"bufio"
 	"context"
-	"io"
 	"net"
 	"net/http"
-	"os"
-	"os/exec"
-	"strings"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -25,7 +18,7 @@ type system struct {
 	t       *testing.T
 	db      *testsvc.Database
 	natsURL string
-	console *process
+	console *testsvc.Process
 	addr    string // the console's host:port, the same across restarts
 }
 
@@ -63,7 +56,7 @@ func (s *system) awaitConsole(within time.Duration) {
 				return
 			}
 		}
-		s.console.requireRunning(t)
+		s.console.RequireRunning(t)
 		if time.Now().After(deadline) {
 			t.Fatalf("the console did not answer /healthz within %v: %v", within, err)
 		}
@@ -74,19 +67,14 @@ func (s *system) awaitConsole(within time.Duration) {
 // restartConsole starts the console again on the same address after stopConsole.
 func (s *system) restartConsole() {
 	s.t.Helper()
-	s.console = s.startProcess("console", s.console.cmd.Path, "console")
+	s.console = s.startProcess("console", s.console.Cmd.Path, "console")
 	s.awaitConsole(time.Minute)
 }
 
 // stopConsole stops the console with SIGTERM and waits until it exited.
 func (s *system) stopConsole() {
 	s.t.Helper()
-	require.NoError(s.t, s.console.cmd.Process.Signal(syscall.SIGTERM))
-	select {
-	case <-s.console.exited:
-	case <-time.After(30 * time.Second):
-		s.t.Fatal("the console did not stop within 30s of SIGTERM")
-	}
+	require.NoError(s.t, s.console.Stop(30*time.Second))
 }
 
 // freeAddr returns a loopback address with a port free now.
@@ -100,88 +88,18 @@ func freeAddr(t *testing.T) string {
 	return addr
 }
 
-// process is a Baton program running as a child process, with its log lines kept.
-type process struct {
-	name   string
-	cmd    *exec.Cmd
-	exited chan struct{}
-	err    error // cmd.Wait's result, set before exited is closed
-
-	mu    sync.Mutex
-	lines []string
-}
-
-// startProcess starts bin with args on the system's database and NATS server. The test's
-// cleanup stops it with SIGTERM and requires a clean exit.
-func (s *system) startProcess(name, bin string, args ...string) *process {
-	t := s.t
-	t.Helper()
-	cmd := exec.Command(bin, args...)
-	cmd.Env = append(os.Environ(),
-		"BATON_DATABASE_URL="+s.db.URL,
-		"BATON_NATS_URL="+s.natsURL,
-		"BATON_SLOT="+s.db.Name, // slots are cluster-wide: one per test
-		"BATON_CONSOLE_ADDR="+s.addr,
+// startProcess starts bin with args on the system's database and NATS server, the console on
+// the system's address. The test's cleanup stops it with SIGTERM and requires a clean exit.
+func (s *system) startProcess(name, bin string, args ...string) *testsvc.Process {
+	return testsvc.StartProcess(s.t, name, bin, []string{
+		"BATON_DATABASE_URL=" + s.db.URL,
+		"BATON_NATS_URL=" + s.natsURL,
+		"BATON_SLOT=" + s.db.Name, // slots are cluster-wide: one per test
+		"BATON_CONSOLE_ADDR=" + s.addr,
 		"BATON_METRICS_ADDR=",
 		"BATON_LOG_LEVEL=info",
 		"BATON_LOG_FORMAT=json",
-	)
-	out, err := cmd.StderrPipe()
-	require.NoError(t, err)
-	cmd.Stdout = cmd.Stderr
-	p := &process{name: name, cmd: cmd, exited: make(chan struct{})}
-	require.NoError(t, cmd.Start())
-	go func() {
-		sc := bufio.NewScanner(out)
-		sc.Buffer(make([]byte, 64<<10), 4<<20)
-		for sc.Scan() {
-			p.mu.Lock()
-			p.lines = append(p.lines, sc.Text())
-			p.mu.Unlock()
-		}
-		_, _ = io.Copy(io.Discard, out)
-		p.err = cmd.Wait()
-		close(p.exited)
-	}()
-	t.Cleanup(func() {
-		select {
-		case <-p.exited:
-		default:
-			_ = cmd.Process.Signal(syscall.SIGTERM)
-			select {
-			case <-p.exited:
-				if p.err != nil {
-					t.Errorf("%s did not stop cleanly on SIGTERM: %v", name, p.err)
-				}
-			case <-time.After(30 * time.Second):
-				t.Errorf("%s did not stop within 30s of SIGTERM", name)
-				_ = cmd.Process.Kill()
-				<-p.exited
-			}
-		}
-		if t.Failed() {
-			t.Logf("%s log:\n%s", name, p.tail(16<<10))
-		}
-	})
-	return p
-}
-
-// tail returns the last n bytes of the log.
-func (p *process) tail(n int) string {
-	p.mu.Lock()
-	out := strings.Join(p.lines, "\n")
-	p.mu.Unlock()
-	return out[max(0, len(out)-n):]
-}
-
-// requireRunning fails the test when the process exited.
-func (p *process) requireRunning(t *testing.T) {
-	t.Helper()
-	select {
-	case <-p.exited:
-		t.Fatalf("%s exited: %v\n%s", p.name, p.err, p.tail(4<<10))
-	default:
-	}
+	}, args...)
 }
 
 // ctxFor returns a context ending after d or with the test.

@@ -152,13 +152,7 @@ func run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	defer func() {
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		if err := shutdownTracing(sctx); err != nil {
-			log.Warn("flush traces", "error", err)
-		}
-	}()
+	defer tracing.Stop(ctx, shutdownTracing, log)
 
 	p := &printer{out: os.Stdout, maxContent: *maxContent, json: *asJSON}
 	sub, err := wire.NewOutcomeSubscriber(wire.OutcomeSubscriberConfig{
