@@ -112,3 +112,40 @@ func TestHiddenTabHoldsNoStream(t *testing.T) {
 	require.Eventually(t, func() bool { return e.srv.streams.Load() == 1 && state() == "running" }, waitFor, 20*time.Millisecond,
 		"the tab shown again reopened its stream and shows running")
 }
+
+// TestStreamReopenIsNotADisconnect: the server ends each stream after MaxStreamAge and the
+// browser reconnects; the page must not show that as a lost connection, and it keeps
+// following the conversation on the new stream.
+func TestStreamReopenIsNotADisconnect(t *testing.T) {
+	t.Parallel()
+	e := setup(t, Config{MaxStreamAge: 300 * time.Millisecond}, false)
+	e.createConversation(t, "re")
+	e.send(t, "re", "m1", "hello")
+	bctx := browser.Start(t, 2*time.Minute)
+	ctx, cancel := context.WithTimeout(bctx, 2*waitFor)
+	defer cancel()
+	require.NoError(t, chromedp.Do(ctx, chromedp.Navigate(e.base+"/#re")))
+	require.Eventually(t, func() bool { return e.srv.streams.Load() == 1 }, waitFor, 5*time.Millisecond)
+	// Record every state the indicator shows from now on.
+	_, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`(() => {
+		const c = document.getElementById("conn");
+		window.connStates = [c.dataset.state];
+		new MutationObserver(() => window.connStates.push(c.dataset.state)).observe(c, {attributes: true});
+		return true;
+	})()`))
+	require.NoError(t, err)
+	// Two reopens: the stream count drops to 0 and comes back, twice.
+	for range 2 {
+		require.Eventually(t, func() bool { return e.srv.streams.Load() == 0 }, waitFor, time.Millisecond, "the stream ended")
+		require.Eventually(t, func() bool { return e.srv.streams.Load() == 1 }, waitFor, time.Millisecond, "the page reconnected")
+	}
+	w := worker{t: t, e: e, conv: "re", msgID: "m1", runID: "00000000-0000-4000-8000-0000000000c1", worker: "w1"}
+	w.claim()
+	require.Eventually(t, func() bool {
+		s, err := chromedp.Run(ctx, chromedp.Evaluate[string](`document.querySelector('#messages .msg[data-client-id="m1"]').dataset.state`))
+		return err == nil && s == "running"
+	}, waitFor, 20*time.Millisecond, "the page follows the conversation on the new stream")
+	states, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`window.connStates`))
+	require.NoError(t, err)
+	require.NotContains(t, states, "disconnected", "a reopen was shown as a lost connection: %v", states)
+}

@@ -39,6 +39,9 @@ const (
 	DefaultRequestTimeout = 10 * time.Second
 	// DefaultStreamReadTimeout bounds one read of an event stream's poll.
 	DefaultStreamReadTimeout = 5 * time.Second
+	// DefaultMaxStreamAge is how long an event stream lives before the server ends it (the
+	// browser reconnects within a second and gets every state again).
+	DefaultMaxStreamAge = 5 * time.Minute
 )
 
 // Settings are the console's own settings, from the environment (BATON_CONSOLE_*); flags may
@@ -150,6 +153,12 @@ type Config struct {
 	// request answer 503 instead of hanging until the client gives up. Default:
 	// DefaultRequestTimeout.
 	RequestTimeout time.Duration
+	// MaxStreamAge ends an event stream after this long; the page's EventSource reconnects at
+	// once and its first event rebuilds every state. A client that vanished without closing
+	// its connection (its host gone: half-open TCP) still takes writes into the kernel's buffer
+	// for a long time: this bounds how long it holds one of MaxStreams. Default:
+	// DefaultMaxStreamAge.
+	MaxStreamAge time.Duration
 	// StreamReadTimeout bounds each read of an event stream's poll; a read that times out is
 	// retried at the next poll. Default: DefaultStreamReadTimeout.
 	StreamReadTimeout time.Duration

@@ -289,6 +289,20 @@ func TestStreamLimit(t *testing.T) {
 	<-e.openStream(t, "conv-1").events
 }
 
+// TestStreamAge: the server ends a stream after MaxStreamAge (saying so: an event "reopen"), so
+// that a client gone without closing its connection holds no stream for longer; a stream
+// opened again starts with every state (full).
+func TestStreamAge(t *testing.T) {
+	t.Parallel()
+	e := setup(t, Config{MaxStreamAge: 300 * time.Millisecond}, false)
+	e.createConversation(t, "conv-1")
+	s := e.openStream(t, "conv-1")
+	require.True(t, (<-s.events).Full)
+	require.Eventually(t, func() bool { return e.srv.streams.Load() == 0 }, waitFor, 10*time.Millisecond,
+		"the stream outlived MaxStreamAge")
+	require.True(t, (<-e.openStream(t, "conv-1").events).Full)
+}
+
 // TestAuth: with a user and password, everything but /healthz needs them.
 func TestAuth(t *testing.T) {
 	t.Parallel()

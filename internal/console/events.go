@@ -83,6 +83,8 @@ func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
 	defer poll.Stop()
 	keepalive := time.NewTicker(keepaliveEvery)
 	defer keepalive.Stop()
+	expire := time.NewTimer(s.cfg.MaxStreamAge) // see Config.MaxStreamAge
+	defer expire.Stop()
 	var last map[string]MessageView
 	failing := false // the last read failed; logged once per outage, not once per poll
 	for {
@@ -131,6 +133,11 @@ func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
 			if !write([]byte(": keepalive\n\n")) {
 				return
 			}
+		case <-expire.C:
+			// Said first, so the page does not show the reconnect as a lost connection; the
+			// browser reconnects after the retry time above.
+			write([]byte("event: reopen\ndata: {}\n\n"))
+			return
 		}
 	}
 }

@@ -70,6 +70,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.StreamReadTimeout <= 0 {
 		cfg.StreamReadTimeout = DefaultStreamReadTimeout
 	}
+	if cfg.MaxStreamAge <= 0 {
+		cfg.MaxStreamAge = DefaultMaxStreamAge
+	}
 	if cfg.SubjectPrefix == "" {
 		cfg.SubjectPrefix = wire.DefaultSubjectPrefix
 	}

@@ -151,8 +151,16 @@
         const data = JSON.parse(ev.data);
         for (const v of data.messages) applyServer(v);
       });
+      let reopening = false; // the server ends a stream now and then (MaxStreamAge), saying so first
+      es.addEventListener("reopen", () => {
+        if (es === mine) reopening = true;
+      });
       es.addEventListener("error", () => {
         if (es !== mine) return;
+        if (reopening && mine.readyState === EventSource.CONNECTING) {
+          reopening = false;
+          return; // the browser reconnects by itself: not a lost connection
+        }
         setConn(false);
         if (mine.readyState === EventSource.CLOSED) {
           // The server refused the stream: a conversation that does not exist stays closed,
