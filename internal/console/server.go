@@ -24,6 +24,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/internal/statusreport"
 	"github.com/batonhq/baton/producer"
 	"github.com/batonhq/baton/wire"
@@ -287,27 +288,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		BaseContext:       func(net.Listener) context.Context { return srvCtx },
 		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 	}
-	// A connection that has not sent a request yet (a browser's or client's spare dial) counts
-	// as busy for Shutdown's first 5 seconds, as long as it waits: Shutdown would time out
-	// on one. Shutdown closes the listener, then these (RegisterOnShutdown runs after that).
-	var freshMu sync.Mutex
-	fresh := map[net.Conn]struct{}{}
-	srv.ConnState = func(c net.Conn, st http.ConnState) {
-		freshMu.Lock()
-		defer freshMu.Unlock()
-		if st == http.StateNew {
-			fresh[c] = struct{}{}
-		} else {
-			delete(fresh, c)
-		}
-	}
-	srv.RegisterOnShutdown(func() {
-		freshMu.Lock()
-		defer freshMu.Unlock()
-		for c := range fresh {
-			_ = c.Close()
-		}
-	})
+	opsserver.CloseSpareConnsOnShutdown(srv) // a spare dial would fail a 5-second Shutdown
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {

@@ -12,6 +12,7 @@ import (
 	"net/http/pprof"
 	"runtime"
 	"runtime/debug"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -105,6 +106,7 @@ func ServePprof(ctx context.Context, addr string) error {
 // serve serves h on ln, which it closes, until ctx ends.
 func serve(ctx context.Context, ln net.Listener, h http.Handler) error {
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	CloseSpareConnsOnShutdown(srv)
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {
@@ -121,4 +123,31 @@ func serve(ctx context.Context, ln net.Listener, h http.Handler) error {
 		return fmt.Errorf("metrics server: %w", err)
 	}
 	return nil
+}
+
+// CloseSpareConnsOnShutdown makes srv's Shutdown close the connections that have not sent a
+// request yet. Shutdown counts such a connection as busy for its first 5 seconds (in case a
+// request is on its way), so one spare dial (Go's transport and browsers open them; a scraper
+// may) made a 5-second Shutdown fail and the program exit with an error on SIGTERM. They are
+// closed after Shutdown closed the listeners (RegisterOnShutdown), so no new one arrives.
+// Call it before Serve; it sets srv.ConnState.
+func CloseSpareConnsOnShutdown(srv *http.Server) {
+	var mu sync.Mutex
+	spare := map[net.Conn]struct{}{}
+	srv.ConnState = func(c net.Conn, st http.ConnState) {
+		mu.Lock()
+		defer mu.Unlock()
+		if st == http.StateNew {
+			spare[c] = struct{}{}
+		} else {
+			delete(spare, c)
+		}
+	}
+	srv.RegisterOnShutdown(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for c := range spare {
+			_ = c.Close()
+		}
+	})
 }

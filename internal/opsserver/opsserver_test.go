@@ -67,3 +67,33 @@ func TestBuildInfo(t *testing.T) {
 	}
 	t.Fatal("no baton_build_info in the registry")
 }
+
+// A connection that never sent a request (a client's spare dial) does not hold the metrics
+// server's stop: Shutdown counted it as busy for 5 s and failed, and the relay or worker then
+// exited with an error on SIGTERM.
+func TestStopWithSpareConnection(t *testing.T) {
+	ln, err := (&net.ListenConfig{}).Listen(context.Background(), "tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- ServeListener(ctx, ln, NewRegistry(), func() bool { return true }) }()
+	var d net.Dialer
+	spare, err := d.DialContext(context.Background(), "tcp", addr)
+	require.NoError(t, err)
+	defer func() { _ = spare.Close() }()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/healthz", nil)
+	require.NoError(t, err)
+	resp, err := http.DefaultClient.Do(req) // answered after the spare connection was accepted
+	require.NoError(t, err)
+	require.NoError(t, resp.Body.Close())
+
+	cancel()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(3 * time.Second):
+		t.Fatal("the metrics server did not stop within 3s: the spare connection held it")
+	}
+}
