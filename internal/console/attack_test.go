@@ -132,20 +132,12 @@ func TestAttackShutdownWithStalledStream(t *testing.T) {
 	exec(t, db.Pool, `INSERT INTO agent_outbox (conversation_id, message_id, status, reply_id, processed_at)
 		SELECT 'big', 'm' || g, 'done', 'r' || g, now() FROM generate_series(1, 200) g`)
 
-	srv, err := New(Config{Pool: db.Pool})
-	require.NoError(t, err)
-	var lc net.ListenConfig
-	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, ln) }()
+	srv, addr, stop := serveUntilStopped(t, db, waitFor)
 
 	// A client that reads the start of the stream, then stops reading (a frozen tab, a stalled
 	// proxy), with a small receive buffer.
 	var d net.Dialer
-	conn, err := d.DialContext(context.Background(), "tcp", ln.Addr().String())
+	conn, err := d.DialContext(context.Background(), "tcp", addr)
 	require.NoError(t, err)
 	defer func() { _ = conn.Close() }()
 	require.NoError(t, conn.(*net.TCPConn).SetReadBuffer(4096))
@@ -164,13 +156,7 @@ func TestAttackShutdownWithStalledStream(t *testing.T) {
 		got += string(buf[:n])
 	}
 
-	cancel() // SIGTERM
-	select {
-	case err := <-done:
-		require.NoError(t, err, "Serve must stop cleanly with a client that does not read")
-	case <-time.After(waitFor):
-		t.Fatal("Serve did not return")
-	}
+	require.NoError(t, stop(), "Serve must stop cleanly with a client that does not read") // SIGTERM
 	require.Zero(t, srv.streams.Load(), "the stalled stream was still open after Serve returned")
 }
 

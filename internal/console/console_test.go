@@ -311,32 +311,16 @@ func TestStreamAge(t *testing.T) {
 // shutdown: context deadline exceeded" after 5 s: Shutdown counts such a connection as busy.
 func TestShutdownWithSpareConnection(t *testing.T) {
 	t.Parallel()
-	db := testsvc.NewDatabase(t)
-	srv, err := New(Config{Pool: db.Pool})
-	require.NoError(t, err)
-	var lc net.ListenConfig
-	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, ln) }()
+	_, addr, stop := serveUntilStopped(t, testsvc.NewDatabase(t), 3*time.Second)
 	var d net.Dialer
-	conn, err := d.DialContext(context.Background(), "tcp", ln.Addr().String())
+	conn, err := d.DialContext(context.Background(), "tcp", addr)
 	require.NoError(t, err)
 	defer func() { _ = conn.Close() }()
 	// The server has accepted it (a request on another connection is answered after).
-	res, err := http.Get("http://" + ln.Addr().String() + "/healthz") //nolint:noctx // bounded by the server's answer
+	res, err := http.Get("http://" + addr + "/healthz") //nolint:noctx // bounded by the server's answer
 	require.NoError(t, err)
 	require.NoError(t, res.Body.Close())
-
-	cancel()
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(3 * time.Second):
-		t.Fatal("Serve did not return within 3s: the spare connection held the shutdown")
-	}
+	require.NoError(t, stop(), "the spare connection failed the shutdown")
 }
 
 // TestAuth: with a user and password, everything but /healthz needs them.

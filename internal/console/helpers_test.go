@@ -239,3 +239,30 @@ func exec(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) {
 	_, err := pool.Exec(context.Background(), sql, args...)
 	require.NoError(t, err, sql)
 }
+
+// serveUntilStopped serves a console on db's pool for a test that stops it itself and checks
+// how: stop ends Serve's context and returns Serve's result, failing the test when Serve takes
+// longer than within to return.
+func serveUntilStopped(t *testing.T, db *testsvc.Database, within time.Duration) (srv *Server, addr string, stop func() error) {
+	t.Helper()
+	srv, err := New(Config{Pool: db.Pool})
+	require.NoError(t, err)
+	var lc net.ListenConfig
+	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, ln) }()
+	return srv, ln.Addr().String(), func() error {
+		t.Helper()
+		cancel()
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(within):
+			t.Fatalf("Serve did not return within %v of its context's end", within)
+			return nil
+		}
+	}
+}
