@@ -224,7 +224,7 @@ func TestConsoleFailedTurn(t *testing.T) {
 // TestConsoleDisconnected stops the console's server while a turn runs: the page shows
 // disconnected. The turn finishes meanwhile; once the server is back the page reconnects by
 // itself and shows the reply it missed. A message sent while the server was away stays local
-// with a retry, and the retry reuses its client message id.
+// with a retry, also after a reload, and the retry reuses its client message id.
 func TestConsoleDisconnected(t *testing.T) {
 	t.Parallel()
 	s := start(t, options{agentArgs: []string{"--model-latency", "3s"}})
@@ -252,6 +252,14 @@ func TestConsoleDisconnected(t *testing.T) {
 	s.restartConsole()
 	p.await(`document.querySelector("#conn").dataset.state === "connected"`, 30*time.Second, "reconnected by itself")
 	p.awaitState(id, "replied", 20*time.Second)
+
+	// A reload keeps the unsent message: local, with its retry.
+	ctx, cancel := context.WithTimeout(p.ctx, 20*time.Second)
+	require.NoError(t, chromedp.Do(ctx, chromedp.Reload()))
+	cancel()
+	p.awaitState(id, "replied", 20*time.Second)
+	p.await(fmt.Sprintf(`document.querySelector(%q)`, msg(sent)+" .retry"), 20*time.Second, "the unsent message and its retry after a reload")
+	require.Equal(t, "local", p.attr(msg(sent), "data-state"))
 
 	// The retry sends the same client message id: one message, answered once.
 	p.click(msg(sent) + " .retry")

@@ -89,7 +89,19 @@
     let es = null; // EventSource of current
     let reopenTimer = null;
     const msgs = new Map(); // client id → {el, history, content}
-    const unsent = new Map(); // conversation id → Map(client id → content) not yet accepted
+    // unsent: conversation id → Map(client id → content) of messages not yet accepted, kept in
+    // the browser's storage so that a reload still shows them (local, with a retry that reuses
+    // their id) instead of losing what the user typed.
+    const unsentKey = "baton-console-unsent";
+    const unsent = new Map();
+    try {
+      for (const [conv, msgs] of JSON.parse(localStorage.getItem(unsentKey) || "[]")) unsent.set(conv, new Map(msgs));
+    } catch (e) { /* unreadable or no storage: start empty */ }
+    function saveUnsent() {
+      const all = [];
+      for (const [conv, msgs] of unsent) if (msgs.size > 0) all.push([conv, [...msgs]]);
+      try { localStorage.setItem(unsentKey, JSON.stringify(all)); } catch (e) { /* full or no storage */ }
+    }
 
     function showNotice(text) {
       notice.hidden = !text;
@@ -240,7 +252,7 @@
       let m = msgs.get(v.id);
       if (!m) m = build(v.id, v.content);
       const pending = unsent.get(v.conversation_id);
-      if (pending) pending.delete(v.id);
+      if (pending && pending.delete(v.id)) saveUnsent();
       // A message the server has is synchronized, whichever told us first.
       if (m.history.length && m.history[m.history.length - 1] === "local") setState(m, "synchronized");
       drop(m, "retry");
@@ -266,6 +278,7 @@
       let pending = unsent.get(conv);
       if (!pending) unsent.set(conv, (pending = new Map()));
       pending.set(id, content);
+      saveUnsent();
       // The send goes out on this tab's own stream connection: the stream closes for it and
       // reopens after (its first event rebuilds every state). Otherwise, with 6 tabs of the
       // console streaming (visible windows, or a browser that does not hide background tabs),
@@ -291,6 +304,7 @@
       if (!r.ok) {
         // The server refused this message (invalid, conflict): retrying cannot help.
         pending.delete(id);
+        saveUnsent();
         if (m) {
           drop(m, "retry");
           drop(m, "send-error");
@@ -300,6 +314,7 @@
         return;
       }
       pending.delete(id);
+      saveUnsent();
       if (!m) return;
       if (m.history[m.history.length - 1] === "local") setState(m, "synchronized");
       drop(m, "retry");
