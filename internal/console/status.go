@@ -113,10 +113,6 @@ func deadLetters(ctx context.Context, js jetstream.JetStream, prefix string) (*u
 	if err != nil {
 		return nil, err.Error()
 	}
-	info, err := st.Info(ctx)
-	if err != nil {
-		return nil, err.Error()
-	}
-	n := info.State.Msgs
+	n := st.CachedInfo().State.Msgs // js.Stream read the info already
 	return &n, ""
 }
