@@ -420,12 +420,13 @@ func (d *decoder) event(rel *relation, tuple []tupleColumn) (item, error) {
 		if err != nil {
 			return item{}, err
 		}
-		row.TraceContext = rel.optional(tuple, "trace_context")
+		var dropped bool
+		row.TraceContext, dropped = checkTraceparent(rel.optional(tuple, "trace_context"))
 		msg, err := row.turn(d.prefix, d.maxPayload)
 		if err != nil {
 			return item{}, err
 		}
-		return item{kind: itemEvent, msg: msg, traceDropped: traceDropped(row.TraceContext)}, nil
+		return item{kind: itemEvent, msg: msg, traceDropped: dropped}, nil
 	default: // tableMessages
 		var ev wire.OutcomeEvent
 		col("role", &ev.Role, &err)
@@ -445,13 +446,13 @@ func (d *decoder) event(rel *relation, tuple []tupleColumn) (item, error) {
 			return item{}, fmt.Errorf("message %q created_at: %w", ev.MessageID, err)
 		}
 		ev.OutboxIDs = d.answers[ev.MessageID]
-		tc := rel.optional(tuple, "trace_context")
-		msg, err := outcomeMsg(d.prefix, ev, validTraceparent(tc), d.maxPayload)
+		tp, dropped := checkTraceparent(rel.optional(tuple, "trace_context"))
+		msg, err := outcomeMsg(d.prefix, ev, tp, d.maxPayload)
 		if err != nil {
 			return item{}, err
 		}
 		return item{kind: itemEvent, msg: msg, outcome: true, omitted: msg.Header.Get(wire.HeaderContentOmitted) != "",
-			traceDropped: traceDropped(tc)}, nil
+			traceDropped: dropped}, nil
 	}
 }
 
@@ -464,22 +465,21 @@ type outboxText struct {
 	Status         string `json:"status"`
 	Attempts       string `json:"attempts"`
 	CreatedAt      string `json:"created_at"`
-	// TraceContext is the sender's traceparent, "" for none (the backfill does not read it).
+	// TraceContext is the sender's traceparent, valid (checkTraceparent) or "" for none (the
+	// backfill does not read it).
 	TraceContext string `json:"trace_context,omitempty"`
 }
 
-// validTraceparent returns tc when it is a valid traceparent (wire.ValidTraceparent), else "".
-// A stored trace context is whatever a role wrote: a malformed one, however long or with
-// whatever bytes, is dropped here, so it never reaches a header and never costs an event.
-func validTraceparent(tc string) string {
+// checkTraceparent returns a stored trace context when it is a valid traceparent
+// (wire.ValidTraceparent), else "", and whether one was set but dropped. A stored trace context
+// is whatever a role wrote: a malformed one, however long or with whatever bytes, is dropped
+// here, so it never reaches a header and never costs an event.
+func checkTraceparent(tc string) (traceparent string, dropped bool) {
 	if wire.ValidTraceparent(tc) {
-		return tc
+		return tc, false
 	}
-	return ""
+	return "", tc != ""
 }
-
-// traceDropped reports whether a stored trace context was set but is not valid.
-func traceDropped(tc string) bool { return tc != "" && !wire.ValidTraceparent(tc) }
 
 // turn parses the row and builds its turn event. The stream and the backfill both use it, so
 // they agree on which rows can be published and how. Its errors are the row's: a value that
@@ -497,7 +497,7 @@ func (c *outboxText) turn(prefix string, maxPayload int) (*nats.Msg, error) {
 	if row.CreatedAt, err = parseTimestamptz(c.CreatedAt); err != nil {
 		return nil, fmt.Errorf("agent_outbox %d created_at: %w", row.OutboxID, err)
 	}
-	msg, err := turnMsg(prefix, row, validTraceparent(c.TraceContext))
+	msg, err := turnMsg(prefix, row, c.TraceContext)
 	if err != nil {
 		return nil, err
 	}

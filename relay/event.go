@@ -16,7 +16,7 @@ import (
 
 // turnMsg builds the turn event of an outbox row. The body is what json.Marshal(row) gives,
 // written by hand: this runs once per row on the relay's hot path. traceparent, when not
-// empty, is a valid one (validTraceparent) and goes in wire.HeaderTraceparent.
+// empty, is a valid one (checkTraceparent) and goes in wire.HeaderTraceparent.
 func turnMsg(prefix string, row wire.TurnEvent, traceparent string) (*nats.Msg, error) {
 	subj, err := wire.TurnSubject(prefix, row.ConversationID)
 	if err != nil {
