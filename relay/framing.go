@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"net"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -49,26 +50,45 @@ type cutFrames struct {
 	behind    atomic.Pointer[atomic.Bool]
 	flush     atomic.Pointer[func()] // called before each read of the socket
 	lastSmall time.Time              // when a read brought less than bulkLittle, zero after a larger one
-	pause     func(time.Duration)
+	// committed is the commit time of the newest transaction the reader began: how far
+	// behind it is, in time (see bulkPause). Only the reader's goroutine, which reads
+	// through f, sets it.
+	committed time.Time
+	// wait waits at most d, returning early once the socket holds bulkLittle bytes where it
+	// can tell (see socketWaiter), else sleeping d.
+	wait func(d time.Duration)
 }
 
 // Bulk reads: a client that reads every message as soon as it is sent makes the walsender
 // send each message on its own, a write and a wake-up per message, and decode no faster than
 // that (FIELD-NOTES; the relay read about 1 KB per read while catching up). One that lets the
-// socket fill a little lets the walsender send in bulk: the bench's decode clients read twice
-// as fast pausing 200-400 µs after a small read. So while the relay is behind (its pipeline
-// publishes in batches) a read that brought less than bulkLittle is followed by bulkPause
-// before the next, counted from that read: what the relay did in between counts. While it
-// keeps up, it reads eagerly: a pause would be latency.
+// socket fill lets the walsender send in bulk, and spends fewer reads and wake-ups itself. So
+// while the relay is behind (its pipeline publishes in batches), a read that brought less than
+// bulkLittle is followed by a wait before the next, counted from that read (what the relay did
+// in between counts): on a TCP socket the wait ends as soon as the socket holds bulkLittle
+// bytes (SO_RCVLOWAT, see socketWaiter), so it adapts to how fast the walsender sends; the
+// wait is at most bulkPause. While the relay keeps up, it reads eagerly: a wait would be
+// latency.
 //
-// Measured (baton bench relay --only catchup, relay ÷ plain relay, interleaved pairs on 2
-// cores): no pause 0.42 (1-row transactions) and 0.94 (100-row); 200 µs 0.78-1.02 and
-// 0.71-1.13; 400 µs 0.93 and 0.85-0.92, with less relay CPU per row. A pause that adapts to
-// what each read brought may do better still.
+// Measured (baton bench relay --only catchup --rows 100000, 1-row transactions, interleaved
+// rounds on 2 cores, relay CPU per row and relay ÷ plain relay): a fixed 400 µs sleep after
+// reads under 16 KiB 16.9-18.8 µs/row, 0.88-1.18; waiting for 32 KiB for at most 4 ms
+// 12.4-15.7 µs/row, 0.87-1.19; 64 KiB for at most 8 ms no better.
 const (
-	bulkLittle = 16 << 10
-	bulkPause  = 400 * time.Microsecond
+	bulkLittle        = 32 << 10
+	bulkPauseShortest = 400 * time.Microsecond
+	bulkPauseLongest  = 4 * time.Millisecond
 )
+
+// bulkPause returns the longest wait for bulkLittle bytes, for a relay whose newest
+// transaction was committed lag ago: a 32nd of that lag, between bulkPauseShortest and
+// bulkPauseLongest. Catching up a backlog (a lag of seconds) the wait is as long as it pays; a
+// relay that fell a little behind (a busy conversation, a pause of the server) waits little,
+// so that what it adds stays small beside the lag it already has. A clock that differs from
+// the database server's errs within the same bounds.
+func bulkPause(lag time.Duration) time.Duration {
+	return min(max(lag/32, bulkPauseShortest), bulkPauseLongest)
+}
 
 // cutKeep is how much of a cut message is kept: enough for the XLogData header, the change's
 // header (a logical message's prefix, an insert's relation) and a dead-letter record's raw
@@ -81,14 +101,22 @@ const copyDataHeader = 5
 // newCutFrames returns a cutFrames reading r, cutting CopyData bodies over limit bytes (at least
 // cutKeep).
 func newCutFrames(r io.Reader, limit int) *cutFrames {
-	return &cutFrames{r: r, max: limit, buf: make([]byte, 64<<10), cut: map[uint64]int{}, pause: pause}
+	return &cutFrames{r: r, max: limit, buf: make([]byte, 64<<10), cut: map[uint64]int{}, wait: pause}
 }
 
-// readInBulk makes f pause between small reads while behind is true (see bulkLittle), and
+// readInBulk makes f wait between small reads while behind is true (see bulkLittle), and
 // call flush before each read of the socket: everything read before has been handled then.
 func (f *cutFrames) readInBulk(behind *atomic.Bool, flush func()) {
 	f.behind.Store(behind)
 	f.flush.Store(&flush)
+}
+
+// waitOn makes f's waits between small reads end as soon as conn, the connection it reads,
+// holds bulkLittle bytes, where the platform and connection allow (see socketWaiter).
+func (f *cutFrames) waitOn(conn net.Conn) {
+	if wait := socketWaiter(conn, bulkLittle); wait != nil {
+		f.wait = wait
+	}
 }
 
 func (f *cutFrames) Read(p []byte) (int, error) {
@@ -175,8 +203,8 @@ func (f *cutFrames) fill() error {
 	}
 	if !f.lastSmall.IsZero() {
 		if b := f.behind.Load(); b != nil && b.Load() {
-			if d := bulkPause - time.Since(f.lastSmall); d > 0 {
-				f.pause(d)
+			if d := bulkPause(time.Since(f.committed)) - time.Since(f.lastSmall); d > 0 {
+				f.wait(d)
 			}
 		}
 	}

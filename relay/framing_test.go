@@ -227,10 +227,12 @@ func TestCutFramesPausesBetweenSmallReadsOnlyWhileBehind(t *testing.T) {
 		return n, err
 	})
 	f := newCutFrames(src, 1<<20)
-	var paused []int // the read (1-based) each pause came before
-	f.pause = func(d time.Duration) {
+	var paused []int                         // the read (1-based) each pause came before
+	f.committed = time.Now().Add(-time.Hour) // catching up: the longest wait
+	f.wait = func(d time.Duration) {
 		require.Positive(t, d)
-		require.LessOrEqual(t, d, bulkPause)
+		require.LessOrEqual(t, d, bulkPauseLongest)
+		require.Greater(t, d, bulkPauseLongest/2) // nothing else to do in between
 		paused = append(paused, len(reads)+1)
 	}
 	var behind atomic.Bool
@@ -255,3 +257,17 @@ func TestCutFramesPausesBetweenSmallReadsOnlyWhileBehind(t *testing.T) {
 type readFunc func([]byte) (int, error)
 
 func (f readFunc) Read(p []byte) (int, error) { return f(p) }
+
+// The wait for a bulk read is a 32nd of how far behind the relay is, within its bounds: long
+// while catching up a backlog, short when the relay fell only a little behind.
+func TestBulkPauseFollowsTheLag(t *testing.T) {
+	for _, c := range []struct{ lag, want time.Duration }{
+		{-time.Second, bulkPauseShortest}, // a database clock ahead of the relay's
+		{0, bulkPauseShortest},
+		{10 * time.Millisecond, bulkPauseShortest},
+		{64 * time.Millisecond, 2 * time.Millisecond},
+		{time.Hour, bulkPauseLongest},
+	} {
+		require.Equal(t, c.want, bulkPause(c.lag), "lag %v", c.lag)
+	}
+}

@@ -177,6 +177,9 @@ func (rd *reader) handleCopyData(ctx, gctx context.Context, data []byte) error {
 		}
 		return nil
 	default:
+		if it.kind == itemBegin {
+			rd.frames.committed = it.commitTime // how far behind the next reads are (see bulkPause)
+		}
 		if it.deadLetter != "" {
 			logSetAside(rd.cfg.Logger, it, "lsn", cd.at)
 		}

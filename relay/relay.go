@@ -369,6 +369,7 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		return fmt.Errorf("replication connection: %w", err)
 	}
 	defer func() { closeConn(ctx, repl) }()
+	frames.waitOn(repl.Conn())
 
 	var slot slotInfo
 	if err := r.bounded(ctx, func(ctx context.Context) (err error) {
