@@ -55,8 +55,9 @@ type cutFrames struct {
 	// through f, sets it.
 	committed time.Time
 	// wait waits at most d, returning early once the socket holds bulkLittle bytes where it
-	// can tell (see socketWaiter), else sleeping d.
-	wait func(d time.Duration)
+	// can tell (see socketWaiter), else sleeping d; longest bounds d.
+	wait    func(d time.Duration)
+	longest time.Duration
 }
 
 // Bulk reads: a client that reads every message as soon as it is sent makes the walsender
@@ -101,7 +102,7 @@ const copyDataHeader = 5
 // newCutFrames returns a cutFrames reading r, cutting CopyData bodies over limit bytes (at least
 // cutKeep).
 func newCutFrames(r io.Reader, limit int) *cutFrames {
-	return &cutFrames{r: r, max: limit, buf: make([]byte, 64<<10), cut: map[uint64]int{}, wait: pause}
+	return &cutFrames{r: r, max: limit, buf: make([]byte, 64<<10), cut: map[uint64]int{}, wait: pause, longest: bulkPauseShortest}
 }
 
 // readInBulk makes f wait between small reads while behind is true (see bulkLittle), and
@@ -112,10 +113,12 @@ func (f *cutFrames) readInBulk(behind *atomic.Bool, flush func()) {
 }
 
 // waitOn makes f's waits between small reads end as soon as conn, the connection it reads,
-// holds bulkLittle bytes, where the platform and connection allow (see socketWaiter).
+// holds bulkLittle bytes, where the platform and connection allow (see socketWaiter). Elsewhere
+// (a Unix socket) the wait is a plain sleep, which cannot end early: there it stays as short
+// as it was measured best, bulkPauseShortest.
 func (f *cutFrames) waitOn(conn net.Conn) {
 	if wait := socketWaiter(conn, bulkLittle); wait != nil {
-		f.wait = wait
+		f.wait, f.longest = wait, bulkPauseLongest
 	}
 }
 
@@ -203,7 +206,7 @@ func (f *cutFrames) fill() error {
 	}
 	if !f.lastSmall.IsZero() {
 		if b := f.behind.Load(); b != nil && b.Load() {
-			if d := bulkPause(time.Since(f.committed)) - time.Since(f.lastSmall); d > 0 {
+			if d := min(bulkPause(time.Since(f.committed)), f.longest) - time.Since(f.lastSmall); d > 0 {
 				f.wait(d)
 			}
 		}

@@ -229,6 +229,7 @@ func TestCutFramesPausesBetweenSmallReadsOnlyWhileBehind(t *testing.T) {
 	f := newCutFrames(src, 1<<20)
 	var paused []int                         // the read (1-based) each pause came before
 	f.committed = time.Now().Add(-time.Hour) // catching up: the longest wait
+	f.longest = bulkPauseLongest             // as on a TCP socket (see waitOn)
 	f.wait = func(d time.Duration) {
 		require.Positive(t, d)
 		require.LessOrEqual(t, d, bulkPauseLongest)

@@ -115,3 +115,16 @@ func TestSocketWaiterOnlyForTCP(t *testing.T) {
 	defer func() { _, _ = a.Close(), b.Close() }()
 	require.Nil(t, socketWaiter(a, bulkLittle))
 }
+
+// Where the wait cannot end early (a Unix socket: its poll ignores the low water mark) it is
+// a plain sleep, kept at the shortest; on TCP it may last up to the longest.
+func TestWaitOnBoundsTheSleepWhereItCannotEndEarly(t *testing.T) {
+	a, b := net.Pipe()
+	defer func() { _, _ = a.Close(), b.Close() }()
+	f := newCutFrames(a, 1<<20)
+	f.waitOn(a)
+	require.Equal(t, bulkPauseShortest, f.longest)
+	client, _ := tcpPair(t)
+	f.waitOn(client)
+	require.Equal(t, bulkPauseLongest, f.longest)
+}
