@@ -114,7 +114,7 @@ func (f *cutFrames) readInBulk(behind *atomic.Bool, flush func()) {
 
 // waitOn makes f's waits between small reads end as soon as conn, the connection it reads,
 // holds bulkLittle bytes, where the platform and connection allow (see socketWaiter). Elsewhere
-// (a Unix socket) the wait is a plain sleep, which cannot end early: there it stays as short
+// (a Unix socket, TLS) the wait is a plain sleep, which cannot end early: there it stays as short
 // as it was measured best, bulkPauseShortest.
 func (f *cutFrames) waitOn(conn net.Conn) {
 	if wait := socketWaiter(conn, bulkLittle); wait != nil {
