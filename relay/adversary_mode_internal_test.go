@@ -48,7 +48,7 @@ func advIntoBatches(t *testing.T) *modeFake {
 // each after the previous one's PubAck, although 20 ≥ batchEnter (4) are outstanding.
 func TestAdvModeLeavingWithABacklogPublishesItOneByOne(t *testing.T) {
 	f := advIntoBatches(t)
-	f.entered = time.Now().Add(-batchMinDwell)
+	f.entered = time.Now().Add(-f.dwell)
 	f.step(t, keepalive(10))
 	require.Equal(t, publishLeaving, f.mode)
 	require.Equal(t, []string{"EOB"}, f.sentFrom(4))
@@ -91,7 +91,7 @@ func mustID(t *testing.T, token string) uint64 {
 // event was never sent, and nothing past the batch is confirmed.
 func TestAdvModeLostFinalWhileLeavingTimesOut(t *testing.T) {
 	f := advIntoBatches(t)
-	f.entered = time.Now().Add(-batchMinDwell)
+	f.entered = time.Now().Add(-f.dwell)
 	f.step(t, keepalive(10))
 	d1, _ := named("conv.a")
 	f.step(t, begin(), d1, commit(20))
@@ -111,7 +111,7 @@ func TestAdvModeLostStartFlowWhileLeavingTimesOut(t *testing.T) {
 	f.step(t, begin(), a1, a2, commit(10))
 	f.ackOne(t, ma1) // into batches: a2 opens the turns batch, its flow reply is lost
 	require.Equal(t, laneStarting, f.lanes[laneTurns].state)
-	f.entered = time.Now().Add(-batchMinDwell)
+	f.entered = time.Now().Add(-f.dwell)
 	f.step(t, keepalive(10))
 	require.Equal(t, publishLeaving, f.mode)
 	b1, _ := named("conv.a")
@@ -138,7 +138,7 @@ func TestAdvModeErrorReplyAtEachState(t *testing.T) {
 	})
 	t.Run("leaving", func(t *testing.T) {
 		f := advIntoBatches(t)
-		f.entered = time.Now().Add(-batchMinDwell)
+		f.entered = time.Now().Add(-f.dwell)
 		f.step(t, keepalive(10))
 		d1, _ := named("conv.a")
 		f.step(t, begin(), d1, commit(20))

@@ -58,7 +58,8 @@ const (
 // where a batch waits for a flow acknowledgement, for the end of a batch and the start of the
 // next. So the pipeline switches (publishMode): event by event while it keeps up, into
 // batches once batchEnterOutstanding events are outstanding, and back once the walsender says
-// it has sent everything (a keepalive, see caughtUp), at least batchMinDwell after entering.
+// it has sent everything (a keepalive, see caughtUp), at least the dwell after entering
+// (batchMinDwell, longer when it keeps coming back: see batchReentry).
 // Each switch waits until no event published the other way waits for its PubAck, holding
 // what arrives meanwhile, so per-subject order holds across it: into batches, once every
 // event in flight one by one has its PubAck (events queued behind their subject's then go
@@ -77,6 +78,15 @@ const (
 	// with event by event switches at most some times a second, each switch costing a round
 	// trip or two of held events.
 	batchMinDwell = 100 * time.Millisecond
+	// A relay that enters batches again within batchReentry of leaving them was not keeping up
+	// event by event after all (a steady rate at the edge of what it carries that way): each
+	// such re-entry doubles its dwell, up to batchMaxDwell, so that it stays in batches, which
+	// carry more, instead of switching back and forth, each switch holding new events until
+	// what went out the other way is acknowledged. Entering after a longer stay event by event
+	// starts again from batchMinDwell. (Measured at 5,000 commits/s on 2 cores with the
+	// producers and the database beside it: about 1.5 switches each way a second.)
+	batchReentry  = time.Second
+	batchMaxDwell = 3200 * time.Millisecond
 )
 
 // publishMode is how the pipeline publishes events now, when the streams take batches.
@@ -91,13 +101,13 @@ const (
 
 // caughtUp takes a keepalive, which the walsender sends when it has sent all the WAL it knew
 // of and the relay has not confirmed it all yet (WalSndWaitForWal): the relay is no longer
-// behind, or not by much. In batches for batchMinDwell already, the pipeline leaves them;
+// behind, or not by much. In batches for its dwell already, the pipeline leaves them;
 // sooner, it leaves at the first event after that. mu is held.
 func (p *pipeline) caughtUp(now time.Time) {
 	if p.mode != publishBatches || p.alwaysBatches {
 		return
 	}
-	if now.Sub(p.entered) < batchMinDwell {
+	if now.Sub(p.entered) < p.dwell {
 		p.wasCaughtUp = true
 		return
 	}
@@ -112,7 +122,7 @@ func (p *pipeline) route(ev *pendingEvent) {
 		p.publishOne(ev)
 		p.enterWhenBehind()
 	case publishBatches:
-		if !p.wasCaughtUp || time.Since(p.entered) < batchMinDwell {
+		if !p.wasCaughtUp || time.Since(p.entered) < p.dwell {
 			p.publishDeferred(ev)
 			return
 		}
@@ -145,7 +155,13 @@ func (p *pipeline) enterBatches() {
 	p.held = nil
 	p.queued -= len(evs)
 	p.mode = publishBatches
-	p.entered, p.wasCaughtUp = time.Now(), false
+	now := time.Now()
+	if !p.left.IsZero() && now.Sub(p.left) < batchReentry {
+		p.dwell = min(2*p.dwell, batchMaxDwell)
+	} else {
+		p.dwell = batchMinDwell
+	}
+	p.entered, p.wasCaughtUp = now, false
 	p.setBatching(true)
 	p.m.switches.WithLabelValues("batches").Inc()
 	for _, ev := range evs {
@@ -176,6 +192,7 @@ func (p *pipeline) leftBatches() {
 	p.held = nil
 	p.queued -= len(held)
 	p.mode = publishSingle
+	p.left = time.Now()
 	p.setBatching(false)
 	p.m.switches.WithLabelValues("events").Inc()
 	for _, ev := range held {

@@ -84,7 +84,9 @@ type pipeline struct {
 	arrived  uint64                           // events handled: each event's number, for order across modes
 	arrivals [batchEnterOutstanding]time.Time // when the last events arrived (see arrive)
 	entered  time.Time                        // when the pipeline last went into batches
-	// wasCaughtUp says a keepalive came less than batchMinDwell after entering batches.
+	left     time.Time                        // when it last came out of them
+	dwell    time.Duration                    // its shortest stay in batches since entered (see batchReentry)
+	// wasCaughtUp says a keepalive came less than the dwell after entering batches.
 	wasCaughtUp bool
 	txs         []*txEntry // FIFO of transactions not yet confirmed
 	cur         *txEntry   // the open transaction, nil between transactions
@@ -169,6 +171,7 @@ func newPipeline(cfg *Config, m *metrics, confirmed *atomic.Uint64, open openSen
 		done:       make(chan struct{}),
 		subjects:   map[string][]*pendingEvent{},
 		byID:       map[uint64]*pendingEvent{},
+		dwell:      batchMinDwell,
 		confirmed:  confirmed,
 		// Below MaxInFlight, or a relay configured with a small window would never batch.
 		batchEnter: max(1, min(batchEnterOutstanding, maxPending/2)),

@@ -150,7 +150,7 @@ func TestSwitchIntoBatchesWaitsForTheEventsInFlight(t *testing.T) {
 	// Out of batches: the walsender's keepalive (it sent all it had) after batchMinDwell
 	// turns the pipeline back; the next event is held until the batch is committed and
 	// acknowledged, then published event by event.
-	f.entered = time.Now().Add(-batchMinDwell)
+	f.entered = time.Now().Add(-f.dwell)
 	f.step(t, keepalive(15))
 	require.Equal(t, publishLeaving, f.mode)
 	d1, md1 := named("conv.a")
@@ -168,6 +168,61 @@ func TestSwitchIntoBatchesWaitsForTheEventsInFlight(t *testing.T) {
 }
 
 func (f *modeFake) lsn() uint64 { return f.confirmed.Load() }
+
+// cycle takes the pipeline into batches with two events of one conversation, and, when leave
+// is set, out again on a keepalive after the dwell, acknowledging everything on the way.
+func (f *modeFake) cycle(t *testing.T, lsn uint64, leave bool) {
+	t.Helper()
+	e1, m1 := named("conv.hot")
+	e2, _ := named("conv.hot")
+	n := len(f.sent)
+	f.step(t, begin(), e1, e2, commit(lsn))
+	require.Equal(t, publishEntering, f.mode)
+	f.ackOne(t, m1)
+	require.Equal(t, publishBatches, f.mode)
+	require.Equal(t, []string{"conv.hot", "+conv.hot#1"}, f.sentFrom(n))
+	f.ackBatch(1, false)
+	if !leave {
+		return
+	}
+	f.entered = time.Now().Add(-f.dwell)
+	f.step(t, keepalive(lsn+1))
+	require.Equal(t, publishLeaving, f.mode)
+	f.ackBatch(1, true)
+	require.Equal(t, publishSingle, f.mode)
+	require.Zero(t, f.outstanding())
+}
+
+// A relay that comes back into batches soon after leaving them was not keeping up event by
+// event: each such re-entry doubles its dwell, up to batchMaxDwell, so that a rate at the
+// edge of what event by event carries stays in batches instead of switching back and forth.
+// A re-entry after a longer stay event by event starts from batchMinDwell again.
+func TestReentrySoonAfterLeavingDoublesTheDwell(t *testing.T) {
+	f := newModeFake(t, 2)
+	f.cycle(t, 10, true)
+	require.Equal(t, batchMinDwell, f.dwell, "a first entry")
+	f.cycle(t, 20, false)
+	require.Equal(t, 2*batchMinDwell, f.dwell, "back within batchReentry")
+
+	// A keepalive after batchMinDwell no longer ends batches; one after the doubled dwell does.
+	f.entered = time.Now().Add(-batchMinDwell)
+	f.step(t, keepalive(21))
+	require.Equal(t, publishBatches, f.mode, "within the doubled dwell")
+	f.entered = time.Now().Add(-f.dwell)
+	f.step(t, keepalive(22))
+	require.Equal(t, publishLeaving, f.mode)
+	f.ackBatch(1, true)
+	require.Equal(t, publishSingle, f.mode)
+
+	for range 10 {
+		f.cycle(t, 30, true)
+	}
+	require.Equal(t, batchMaxDwell, f.dwell, "the dwell grows no further")
+
+	f.left = time.Now().Add(-batchReentry)
+	f.cycle(t, 40, false)
+	require.Equal(t, batchMinDwell, f.dwell, "a relay that kept up event by event for a while starts over")
+}
 
 // A keepalive sooner than batchMinDwell after entering batches is remembered: the first
 // event after the dwell turns the pipeline back to event by event (here at once, the lane
@@ -191,7 +246,7 @@ func TestKeepaliveDuringTheDwellEndsBatchesAfterIt(t *testing.T) {
 	require.Equal(t, publishBatches, f.mode, "a quiet lane ends no batching")
 	require.EqualValues(t, 10, f.lsn())
 
-	f.entered = time.Now().Add(-batchMinDwell)
+	f.entered = time.Now().Add(-f.dwell)
 	b1, _ := named("conv.b")
 	f.step(t, begin(), b1, commit(20))
 	require.Equal(t, publishSingle, f.mode)
