@@ -17,6 +17,10 @@ help: ## list the targets
 	@awk 'BEGIN { FS = ":.*## " } /^[a-zA-Z_-]+:.*## / { printf "  %-8s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
 test: lint ## make lint, every test with the race detector (needs PostgreSQL server binaries), make fuzz
+	@# The examples' own-module build test runs offline (GOPROXY=off) from the module cache,
+	@# which then needs the go.mod file of every module in the graph, not only those a build
+	@# fetches: a fresh machine has only those.
+	$(GO) mod download all
 	$(GO) test -race -count=1 -timeout 20m ./...
 	$(MAKE) --no-print-directory fuzz
 

@@ -62,7 +62,9 @@ func TestExamplesBuildAsTheirOwnModule(t *testing.T) {
 			build, ok := goCommand(t, mod, "build", "-o", filepath.Join(t.TempDir(), "example"), ".")
 			if !ok {
 				t.Fatalf("examples/%s does not build as its own module (does it import internal/ or a "+
-					"module Baton does not use?)\ngo mod tidy -e:\n%s\ngo build:\n%s", dir, tidy, build)
+					"module Baton does not use? Or, with \"module lookup disabled by GOPROXY=off\", the module cache "+
+					"lacks a go.mod of Baton's module graph: run go mod download all, as make test does)\n"+
+					"go mod tidy -e:\n%s\ngo build:\n%s", dir, tidy, build)
 			}
 		})
 	}

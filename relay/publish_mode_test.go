@@ -296,12 +296,13 @@ func TestSwitchingModesKeepsOrderAndStoresOnce(t *testing.T) {
 			tx(burst[i : i+100]...)
 		}
 		// A trickle, each transaction followed by the keepalive of a walsender that sent all
-		// it had, for longer than batchMinDwell (this pacing shapes the input; no result
-		// depends on its timing).
+		// it had, for longer than batchMinDwell, and long enough that the next burst is no
+		// quick re-entry, which would double the dwell (see batchReentry). This pacing shapes
+		// the input; no result depends on its timing.
 		for i := range 15 {
 			tx("batch.hot", "batch.c"+strconv.Itoa((round+i)%7))
 			emit(keepalive(lsn))
-			time.Sleep(batchMinDwell / 10)
+			time.Sleep(batchReentry / 12)
 		}
 	}
 	p.closeInput()
