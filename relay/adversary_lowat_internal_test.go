@@ -3,14 +3,10 @@
 package relay
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/binary"
 	"errors"
-	"math/big"
 	"net"
 	"os"
 	"sync/atomic"
@@ -20,6 +16,8 @@ import (
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
+
+	"github.com/batonhq/baton/internal/testsvc"
 )
 
 // These tests attack the wait between small reads while behind (SO_RCVLOWAT and ppoll, see
@@ -51,15 +49,6 @@ func newLowatRig(t *testing.T) *lowatRig {
 	return &lowatRig{client: client, server: server, frames: f, fe: pgproto3.NewFrontend(f, client)}
 }
 
-// advKeepalive returns a primary keepalive CopyData asking for a reply.
-func advKeepalive(at uint64) []byte {
-	b := make([]byte, 18)
-	b[0] = 'k'
-	binary.BigEndian.PutUint64(b[1:], at)
-	b[17] = 1
-	return frame('d', b)
-}
-
 // The end of a backlog: a few hundred bytes, then silence. Each arrives within the wait's
 // bound (4 ms) of being sent, however the sends fall against the reads; a keepalive asking
 // for a reply is not held longer.
@@ -74,7 +63,7 @@ func TestAdvLowatBacklogTailArrivesWithinTheBound(t *testing.T) {
 		time.Sleep(time.Duration(i%6) * time.Millisecond) // before, at and after the bound
 		msg := frame('d', xlog(uint64(i+2), make([]byte, 300)))
 		if i%3 == 0 {
-			msg = advKeepalive(uint64(i + 2))
+			msg = frame('d', keepaliveData(uint64(i+2), true))
 		}
 		sent := time.Now()
 		_, err := r.server.Write(msg)
@@ -303,7 +292,7 @@ func TestAdvLowatThroughTLS(t *testing.T) {
 		// cannot see it.
 		_, err := srv.Write(frame('d', xlog(uint64(2*i+1), make([]byte, 200))))
 		require.NoError(t, err)
-		_, err = srv.Write(advKeepalive(uint64(2*i + 2)))
+		_, err = srv.Write(frame('d', keepaliveData(uint64(2*i+2), true)))
 		require.NoError(t, err)
 		for range 2 {
 			_, err := fe.Receive()
@@ -314,22 +303,6 @@ func TestAdvLowatThroughTLS(t *testing.T) {
 	}
 	t.Logf("worst delay through TLS: %v", worst)
 	require.Less(t, worst, 2*bulkPauseLongest+advSlack)
-}
-
-// selfSigned returns a throwaway certificate for 127.0.0.1.
-func selfSigned(t *testing.T) tls.Certificate {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1),
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(time.Hour),
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	require.NoError(t, err)
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
 }
 
 // rigOver returns a rig's frontend and the walsender's end, through TLS or plain TCP.
@@ -347,9 +320,13 @@ func rigOver(t *testing.T, useTLS bool) (*pgproto3.Frontend, net.Conn) {
 func tlsPair(t *testing.T) (cli, srv *tls.Conn, rawClient *net.TCPConn) {
 	t.Helper()
 	rawClient, rawServer := tcpPair(t)
-	cert := selfSigned(t)
+	ca := testsvc.NewCA(t, "relay-lowat")
+	cert, err := tls.X509KeyPair(ca.ServerCert(t))
+	require.NoError(t, err)
+	roots := x509.NewCertPool()
+	require.True(t, roots.AppendCertsFromPEM(ca.CertPEM))
 	srv = tls.Server(rawServer, &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12})
-	cli = tls.Client(rawClient, &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS12}) //nolint:gosec // G402: a throwaway self-signed test certificate
+	cli = tls.Client(rawClient, &tls.Config{RootCAs: roots, ServerName: "127.0.0.1", MinVersion: tls.VersionTLS12})
 	hs := make(chan error, 1)
 	go func() { hs <- srv.HandshakeContext(t.Context()) }()
 	require.NoError(t, cli.HandshakeContext(t.Context()))

@@ -109,18 +109,12 @@ func TestSocketWaiterWaitsForLowatBytesOnly(t *testing.T) {
 	require.Equal(t, 4, unread(t, client))
 }
 
-// A connection that is not TCP gets no socket wait: the relay sleeps instead.
-func TestSocketWaiterOnlyForTCP(t *testing.T) {
-	a, b := net.Pipe()
-	defer func() { _, _ = a.Close(), b.Close() }()
-	require.Nil(t, socketWaiter(a, bulkLittle))
-}
-
 // Where the wait cannot end early (a Unix socket: its poll ignores the low water mark) it is
 // a plain sleep, kept at the shortest; on TCP it may last up to the longest.
 func TestWaitOnBoundsTheSleepWhereItCannotEndEarly(t *testing.T) {
 	a, b := net.Pipe()
 	defer func() { _, _ = a.Close(), b.Close() }()
+	require.Nil(t, socketWaiter(a, bulkLittle), "a connection that is not TCP gets no socket wait")
 	f := newCutFrames(a, 1<<20)
 	f.waitOn(a)
 	require.Equal(t, bulkPauseShortest, f.longest)
