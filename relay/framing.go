@@ -206,7 +206,8 @@ func (f *cutFrames) fill() error {
 	}
 	if !f.lastSmall.IsZero() {
 		if b := f.behind.Load(); b != nil && b.Load() {
-			if d := min(bulkPause(time.Since(f.committed)), f.longest) - time.Since(f.lastSmall); d > 0 {
+			now := time.Now()
+			if d := min(bulkPause(now.Sub(f.committed)), f.longest) - now.Sub(f.lastSmall); d > 0 {
 				f.wait(d)
 			}
 		}
