@@ -25,9 +25,13 @@ var otelVars = []string{"OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_EXPOR
 	"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
 	"OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"}
 
-func clearEnv(t *testing.T) {
+// setEnv unsets every variable of otelVars for the test, then sets set.
+func setEnv(t *testing.T, set map[string]string) {
 	for _, v := range otelVars {
 		t.Setenv(v, "")
+	}
+	for k, v := range set {
+		t.Setenv(k, v)
 	}
 }
 
@@ -39,10 +43,7 @@ func TestSetupOff(t *testing.T) {
 		"exporter none": {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"},
 	} {
 		t.Run(name, func(t *testing.T) {
-			clearEnv(t)
-			for k, v := range env {
-				t.Setenv(k, v)
-			}
+			setEnv(t, env)
 			before := otel.GetTracerProvider()
 			shutdown, err := tracing.Setup(t.Context())
 			require.NoError(t, err)
@@ -59,10 +60,7 @@ func TestSetupRefusesWhatItCannotDo(t *testing.T) {
 		"grpc protocol":    {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
 	} {
 		t.Run(name, func(t *testing.T) {
-			clearEnv(t)
-			for k, v := range env {
-				t.Setenv(k, v)
-			}
+			setEnv(t, env)
 			before := otel.GetTracerProvider()
 			_, err := tracing.Setup(t.Context())
 			require.ErrorIs(t, err, tracing.ErrConfig)
@@ -73,7 +71,7 @@ func TestSetupRefusesWhatItCannotDo(t *testing.T) {
 
 // With an endpoint, spans reach an OTLP/HTTP collector, with the service name.
 func TestSetupExportsToTheEndpoint(t *testing.T) {
-	clearEnv(t)
+	setEnv(t, nil)
 	got := make(chan *coltracepb.ExportTraceServiceRequest, 10)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(r.Body)
