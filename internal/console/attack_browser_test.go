@@ -82,10 +82,7 @@ func TestHiddenTabHoldsNoStream(t *testing.T) {
 	e := setup(t, Config{}, false)
 	e.createConversation(t, "bg")
 	e.send(t, "bg", "m1", "hello")
-	bctx := browser.Start(t, 2*time.Minute)
-	ctx, cancel := context.WithTimeout(bctx, 2*waitFor)
-	defer cancel()
-	require.NoError(t, chromedp.Do(ctx, chromedp.Navigate(e.base+"/#bg")))
+	ctx := e.openPage(t, "bg")
 	state := func() string {
 		s, err := chromedp.Run(ctx, chromedp.Evaluate[string](`(document.querySelector('#messages .msg[data-client-id="m1"]') || {dataset: {}}).dataset.state || ""`))
 		require.NoError(t, err)
@@ -121,10 +118,7 @@ func TestStreamReopenIsNotADisconnect(t *testing.T) {
 	e := setup(t, Config{MaxStreamAge: 300 * time.Millisecond}, false)
 	e.createConversation(t, "re")
 	e.send(t, "re", "m1", "hello")
-	bctx := browser.Start(t, 2*time.Minute)
-	ctx, cancel := context.WithTimeout(bctx, 2*waitFor)
-	defer cancel()
-	require.NoError(t, chromedp.Do(ctx, chromedp.Navigate(e.base+"/#re")))
+	ctx := e.openPage(t, "re")
 	require.Eventually(t, func() bool { return e.srv.streams.Load() == 1 }, waitFor, 5*time.Millisecond)
 	// Record every state the indicator shows from now on.
 	_, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`(() => {
@@ -148,4 +142,14 @@ func TestStreamReopenIsNotADisconnect(t *testing.T) {
 	states, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`window.connStates`))
 	require.NoError(t, err)
 	require.NotContains(t, states, "disconnected", "a reopen was shown as a lost connection: %v", states)
+}
+
+// openPage opens the console's page of conversation conv in a browser of the test's own,
+// and returns the page's context, bounded by 2*waitFor.
+func (e *testEnv) openPage(t *testing.T, conv string) context.Context {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(browser.Start(t, 2*time.Minute), 2*waitFor)
+	t.Cleanup(cancel)
+	require.NoError(t, chromedp.Do(ctx, chromedp.Navigate(e.base+"/#"+conv)))
+	return ctx
 }
