@@ -201,13 +201,11 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 		ends = append(ends, r.ends...)
 		counts[i] = int32(len(r.ids)) //nolint:gosec // G115: a run holds at most MaxTurnMessages rows
 	}
+	endIDs, endStatuses, outputs, errs, took := opEnds(ends)
 	batch := &pgx.Batch{}
 	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
-	if len(ends) > 0 {
-		endIDs, endStatuses, outputs, errs, took := opEnds(ends)
-		batch.Queue(endOperationsSQL, endIDs, endStatuses, outputs, errs, took)
-	}
-	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, wire.AnswersPrefix, counts, traces)
+	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, wire.AnswersPrefix, counts, traces,
+		endIDs, endStatuses, outputs, errs, took)
 	err := q.SendBatch(ctx, batch).Close()
 	var pgErr *pgconn.PgError
 	switch {

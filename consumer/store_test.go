@@ -168,8 +168,8 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 	tool := plan(`uuid, text, text, text, jsonb, bigint[]`, recordOperationSQL,
 		fmt.Sprintf(`'%s', 'c', 'tool', 'read', '{}', '{%d}'`, run, c.ids[0]))
 	narrow("tool check", tool)
-	finishPlan := plan(`text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text, int[], text[]`, finishSQL,
-		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}', '{NULL}'`, run, c.ids[0]),
+	finishPlan := plan(`text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text, int[], text[], bigint[], text[], text[], text[], bigint[]`, finishSQL,
+		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}', '{NULL}', '{1}', '{done}', '{NULL}', '{NULL}', '{0}'`, run, c.ids[0]),
 		strings.Replace(genericPlansSQL, "$1", "'5000ms'", 1))
 	narrow("final commit", finishPlan)
 
@@ -290,6 +290,72 @@ func TestFinishManyIsolatesFailedRuns(t *testing.T) {
 	require.Equal(t, []error{nil, nil, nil}, errs)
 	require.Equal(t, 3, scalar[int](t, db, `SELECT count(*) FROM agent_outbox WHERE status = 'error' AND last_error = 'r'`))
 	require.Equal(t, 3, scalar[int](t, db, `SELECT count(*) FROM agent_runs WHERE outcome = 'error'`))
+}
+
+// The final commit attaches the run's operations to its reply and writes, in the same update,
+// the ends of tool calls no statement carried yet: a call ended earlier keeps its end, a call
+// whose end comes with the commit gets it (finished_at is its start plus the time it took), a
+// call still running is marked interrupted. Each operation row is updated once.
+func TestFinishWritesTheToolEndsItCarriesWithTheAttachment(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	send(t, db, "c", "m1")
+	const run = "00000000-0000-4000-8000-0000000000e1"
+	c := claimOne(t, s, "c", run)
+	record := func(tool string, ends ...opEnd) int64 {
+		id, err := s.recordOperation(ctx, recordReq{runID: run, conversationID: "c", ids: c.ids, tool: tool, effect: Read,
+			input: []byte(`{}`), ends: ends})
+		require.NoError(t, err)
+		return id
+	}
+	earlier := record("earlier")
+	carried := record("carried", opEnd{id: earlier, status: "done", output: []byte(`{"n":1}`), took: time.Millisecond})
+	record("running")
+	failed := record("failed")
+
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	// The counts of the connection's earlier transactions may not be flushed yet (PostgreSQL
+	// 15 flushes them at most once a second): the count is taken before and after.
+	updates := func() (n int64) {
+		require.NoError(t, tx.QueryRow(ctx, `SELECT coalesce(sum(n_tup_upd), 0) FROM pg_stat_xact_user_tables WHERE relname = 'operations'`).Scan(&n))
+		return n
+	}
+	before := updates()
+	require.NoError(t, s.finishIn(ctx, tx, []finishReq{{conversationID: "c", runID: run, ids: c.ids,
+		outcome: outcome{role: "assistant", content: "re"}, replyID: "baton:reply:e1",
+		ends: []opEnd{
+			{id: carried, status: "done", output: []byte(`{"n":2}`), took: 1500 * time.Millisecond},
+			{id: failed, status: "error", errText: "timeout", took: 2 * time.Second},
+		}}}))
+	require.EqualValues(t, 4, updates()-before, "one update per operation: its end and its attachment together")
+	require.NoError(t, tx.Commit(ctx))
+
+	type op struct {
+		Tool, Status, Message string
+		Output, Error         *string
+		Took                  *float64
+	}
+	rows, err := db.Pool.Query(ctx, `SELECT tool, status, message_id, output::text, error,
+		extract(epoch FROM finished_at - started_at)::float8 FROM operations ORDER BY id`)
+	require.NoError(t, err)
+	ops, err := pgx.CollectRows(rows, pgx.RowToStructByPos[op])
+	require.NoError(t, err)
+	require.Len(t, ops, 4)
+	str := func(s string) *string { return &s }
+	require.Equal(t, "earlier done baton:reply:e1", ops[0].Tool+" "+ops[0].Status+" "+ops[0].Message)
+	require.Equal(t, str(`{"n": 1}`), ops[0].Output, "an end written earlier stays")
+	require.Equal(t, "carried done baton:reply:e1", ops[1].Tool+" "+ops[1].Status+" "+ops[1].Message)
+	require.Equal(t, str(`{"n": 2}`), ops[1].Output)
+	require.Equal(t, 1.5, *ops[1].Took, "finished_at is the start plus the time the call took")
+	require.Equal(t, "running error baton:reply:e1", ops[2].Tool+" "+ops[2].Status+" "+ops[2].Message)
+	require.Equal(t, str("interrupted: the turn ended before the tool call did"), ops[2].Error)
+	require.NotNil(t, ops[2].Took)
+	require.Equal(t, "failed error baton:reply:e1", ops[3].Tool+" "+ops[3].Status+" "+ops[3].Message)
+	require.Equal(t, str("timeout"), ops[3].Error)
+	require.Nil(t, ops[3].Output)
+	require.Equal(t, 2.0, *ops[3].Took)
 }
 
 // A run that no longer holds its turn (recovered, reclaimed, or past its lease) cannot start a
