@@ -543,8 +543,12 @@ func turnsWaitSettled(ctx context.Context, db *turnsDB, after int64, every time.
 	last, changed := -1, time.Now()
 	for {
 		var left int
-		if err := db.pool.QueryRow(ctx, `SELECT count(*) FROM agent_outbox
-			WHERE id > $1 AND status IN ('pending', 'processing')`, after).Scan(&left); err != nil {
+		// Counted through the partial indexes of pending and of processing rows, which hold
+		// only what is left: a count of every row past after grew with the phase and took
+		// Postgres CPU from what the bench measures (6 ms a count at 30,000 rows).
+		if err := db.pool.QueryRow(ctx, `SELECT
+			(SELECT count(*) FROM agent_outbox WHERE status = 'pending' AND id > $1) +
+			(SELECT count(*) FROM agent_outbox WHERE status = 'processing' AND id > $1)`, after).Scan(&left); err != nil {
 			return fmt.Errorf("count unfinished rows: %w", err)
 		}
 		switch {
