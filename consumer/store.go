@@ -190,9 +190,13 @@ const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_pla
 //     recreated with the same id (the foreign key would pass), fails the fence too: the old
 //     turn's reply never lands in a new conversation. finishOne tells a deleted conversation
 //     from a lost lease afterwards;
-//   - the runs' operations attached to their replies, with the ends of tool calls not written
-//     yet ($13-$17, as endOperationsSQL takes them) in the same update, and any other still
-//     running marked interrupted; the conversations' metadata, the runs' records.
+//   - the runs' operations attached to their replies; those whose call ended since the run's
+//     last statement ($13-$17, as endOperationsSQL takes them, with $18-$19 the run and the
+//     reply of each) get their end in the same update, and any other still running is marked
+//     interrupted; the conversations' metadata, the runs' records. The ended operations are
+//     found by key and each one's end by its place in the arrays, not by a join: with
+//     statistics of nearly empty tables, the generic plan of a join compared every operation
+//     with every end (32 runs of 100 ended calls: 2.2 s for the statement, 0.3 s now).
 //
 // One statement instead of six pipelined ones costs about a quarter less server CPU per turn
 // (measured with pgbench on this schema). Every table is reached through "= ANY(array)" on an
@@ -215,23 +219,21 @@ WITH input AS (
     WHERE o.id = ANY($9) AND o.conversation_id = ANY($1) AND o.run_id = ANY($2)
       AND o.conversation_id = i.conversation_id AND o.run_id = i.run_id AND o.status = 'processing'
     RETURNING o.run_id
-), attach AS (
-    SELECT op.id, i.reply_id, e.id IS NOT NULL AS ended, e.status, e.output, e.error, e.took_us
-    FROM operations op
-    JOIN input i ON op.run_id = i.run_id
-    LEFT JOIN unnest($13::bigint[], $14::text[], $15::text[], $16::text[], $17::bigint[]) AS e(id, status, output, error, took_us)
-        ON e.id = op.id
-    WHERE op.run_id = ANY($2) AND op.message_id IS NULL
+), ended AS (
+    UPDATE operations op SET (message_id, status, output, error, finished_at) = (
+        SELECT ($19::text[])[k], ($14::text[])[k], ($15::text[])[k]::jsonb, ($16::text[])[k],
+               op.started_at + ($17::bigint[])[k] * interval '1 microsecond'
+        FROM (SELECT array_position($13::bigint[], op.id) AS k) e)
+    WHERE op.id = ANY($13) AND op.run_id = ($18::uuid[])[array_position($13::bigint[], op.id)] AND op.message_id IS NULL
+    RETURNING op.id
 ), ops AS (
-    UPDATE operations op SET message_id = a.reply_id,
-        status = CASE WHEN a.ended THEN a.status WHEN op.status = 'running' THEN 'error' ELSE op.status END,
-        output = CASE WHEN a.ended THEN a.output::jsonb ELSE op.output END,
-        error = CASE WHEN a.ended THEN a.error
-                     WHEN op.status = 'running' THEN 'interrupted: the turn ended before the tool call did' ELSE op.error END,
-        finished_at = CASE WHEN a.ended THEN op.started_at + a.took_us * interval '1 microsecond'
-                           ELSE coalesce(op.finished_at, now()) END
-    FROM attach a
-    WHERE op.id = a.id AND op.message_id IS NULL
+    UPDATE operations op SET message_id = i.reply_id,
+        status = CASE WHEN op.status = 'running' THEN 'error' ELSE op.status END,
+        error = CASE WHEN op.status = 'running' THEN 'interrupted: the turn ended before the tool call did' ELSE op.error END,
+        finished_at = coalesce(op.finished_at, now())
+    FROM input i
+    WHERE op.run_id = ANY($2) AND op.run_id = i.run_id AND op.message_id IS NULL
+      AND op.id NOT IN (SELECT id FROM ended)
 ), conv AS (
     UPDATE conversations c SET last_message_at = now(), unread_count = c.unread_count + 1
     FROM input i

@@ -176,6 +176,7 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 	counts := make([]int32, n)
 	var ids []int64
 	var ends []opEnd
+	var endRuns, endReplies []string // the run and the reply of each end
 	for i, r := range reqs {
 		if r.replyID == "" {
 			r.replyID = newReplyID(r.role)
@@ -199,13 +200,16 @@ func (s *store) finishIn(ctx context.Context, q batchSender, reqs []finishReq) e
 		}
 		ids = append(ids, r.ids...)
 		ends = append(ends, r.ends...)
+		for range r.ends {
+			endRuns, endReplies = append(endRuns, r.runID), append(endReplies, replies[i])
+		}
 		counts[i] = int32(len(r.ids)) //nolint:gosec // G115: a run holds at most MaxTurnMessages rows
 	}
 	endIDs, endStatuses, outputs, errs, took := opEnds(ends)
 	batch := &pgx.Batch{}
 	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
 	batch.Queue(finishSQL, convs, runs, statuses, replies, roles, contents, reasons, answers, ids, wire.AnswersPrefix, counts, traces,
-		endIDs, endStatuses, outputs, errs, took)
+		endIDs, endStatuses, outputs, errs, took, endRuns, endReplies)
 	err := q.SendBatch(ctx, batch).Close()
 	var pgErr *pgconn.PgError
 	switch {

@@ -168,8 +168,8 @@ func TestRunStatementsReadOnlyTheirRows(t *testing.T) {
 	tool := plan(`uuid, text, text, text, jsonb, bigint[]`, recordOperationSQL,
 		fmt.Sprintf(`'%s', 'c', 'tool', 'read', '{}', '{%d}'`, run, c.ids[0]))
 	narrow("tool check", tool)
-	finishPlan := plan(`text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text, int[], text[], bigint[], text[], text[], text[], bigint[]`, finishSQL,
-		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}', '{NULL}', '{1}', '{done}', '{NULL}', '{NULL}', '{0}'`, run, c.ids[0]),
+	finishPlan := plan(finishTypes, finishSQL,
+		fmt.Sprintf(`'{c}', '{%s}', '{done}', '{reply:x}', '{assistant}', '{ok}', '{NULL}', '{"{}"}', '{%d}', 'baton.answers', '{1}', '{NULL}', '{1}', '{done}', '{NULL}', '{NULL}', '{0}', '{%s}', '{reply:x}'`, run, c.ids[0], run),
 		strings.Replace(genericPlansSQL, "$1", "'5000ms'", 1))
 	narrow("final commit", finishPlan)
 
@@ -356,6 +356,109 @@ func TestFinishWritesTheToolEndsItCarriesWithTheAttachment(t *testing.T) {
 	require.Equal(t, str("timeout"), ops[3].Error)
 	require.Nil(t, ops[3].Output)
 	require.Equal(t, 2.0, *ops[3].Took)
+}
+
+// finishTypes are the types of finishSQL's parameters.
+const finishTypes = `text[], uuid[], text[], text[], text[], text[], text[], text[], bigint[], text, int[], text[], bigint[], text[], text[], text[], bigint[], uuid[], text[]`
+
+// The final commit finds each carried end by key, whatever the planner believes: with
+// statistics taken while the tables were nearly empty (a new database), its generic plan once
+// joined every operation of the batch with every end (a nested loop over the ends, 10 million
+// rows thrown away for 32 runs of 100 ended calls). The plan may throw away at most as many
+// rows as the batch's runs times their operations, which attaching them by run already does.
+func TestFinishFindsTheEndsItCarriesByKey(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	_, err := db.Pool.Exec(ctx, `ANALYZE`)
+	require.NoError(t, err)
+	const runsN, opsPerRun = 4, 50
+	var reqs []finishReq
+	for i := range runsN {
+		conv := fmt.Sprintf("k%d", i)
+		_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ($1)`, conv)
+		require.NoError(t, err)
+		send(t, db, conv, conv+"-m")
+		run := fmt.Sprintf("00000000-0000-4000-8000-%012d", 700+i)
+		c := claimOne(t, s, conv, run)
+		ops := testsvc.Query[int64](t, db, `INSERT INTO operations (run_id, conversation_id, tool, effect)
+			SELECT $1, $2, 't' || g, 'read' FROM generate_series(1, $3::int) g RETURNING id`, run, conv, opsPerRun)
+		r := finishReq{conversationID: conv, runID: run, ids: c.ids, outcome: outcome{role: "assistant", content: "re"},
+			replyID: "baton:reply:" + conv}
+		for _, id := range ops {
+			r.ends = append(r.ends, opEnd{id: id, status: "done", output: []byte(`{"n":1}`), took: time.Millisecond})
+		}
+		reqs = append(reqs, r)
+	}
+
+	// The commit's own statement, its generic plan under EXPLAIN ANALYZE: finishIn with every
+	// parameter written out, in a transaction that rolls back.
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, strings.Replace(genericPlansSQL, "$1", "'5s'", 1))
+	require.NoError(t, err)
+	var explained []string
+	err = s.finishIn(ctx, explainBatch{tx: tx, types: finishTypes, plan: &explained}, reqs)
+	require.NoError(t, err)
+	plan := strings.Join(explained, "\n")
+	require.Contains(t, plan, "operations_pkey", plan)
+	removed := regexp.MustCompile(`Rows Removed by (?:Join )?Filter: (\d+)`)
+	for _, m := range removed.FindAllStringSubmatch(plan, -1) {
+		n, _ := strconv.Atoi(m[1])
+		require.LessOrEqual(t, n, runsN*runsN*opsPerRun, "the final commit compares operations with every end:\n%s", plan)
+	}
+	require.EqualValues(t, runsN*opsPerRun, scalarTx(t, tx, `SELECT count(*) FROM operations
+		WHERE status = 'done' AND output = '{"n": 1}' AND message_id LIKE 'baton:reply:k%'`))
+}
+
+// explainBatch runs a batch's last statement, prepared with its generic plan, under EXPLAIN
+// ANALYZE on tx (its parameters written out as literals of types), and the statements before
+// it as they are. The plan's lines go to plan.
+type explainBatch struct {
+	tx    pgx.Tx
+	types string // of the last statement's parameters, comma-separated
+	plan  *[]string
+}
+
+func (e explainBatch) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	last := b.QueuedQueries[len(b.QueuedQueries)-1]
+	for _, q := range b.QueuedQueries[:len(b.QueuedQueries)-1] {
+		if _, err := e.tx.Exec(ctx, q.SQL, q.Arguments...); err != nil {
+			return failedBatch{err: err}
+		}
+	}
+	types := strings.Split(e.types, ", ")
+	lits := make([]string, len(last.Arguments))
+	for i, a := range last.Arguments {
+		if err := e.tx.QueryRow(ctx, `SELECT quote_nullable($1::`+types[i]+`::text)`, a).Scan(&lits[i]); err != nil {
+			return failedBatch{err: err}
+		}
+		lits[i] += "::" + types[i]
+	}
+	if _, err := e.tx.Exec(ctx, `PREPARE explained(`+strings.Join(types, ", ")+`) AS `+last.SQL); err != nil {
+		return failedBatch{err: err}
+	}
+	rows, err := e.tx.Query(ctx, `EXPLAIN (ANALYZE, TIMING OFF, SUMMARY OFF) EXECUTE explained(`+strings.Join(lits, ", ")+`)`)
+	if err == nil {
+		*e.plan, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	}
+	return failedBatch{err: err}
+}
+
+// failedBatch is the BatchResults of explainBatch: its Close returns err, which is all
+// finishIn asks of it.
+type failedBatch struct {
+	pgx.BatchResults
+	err error
+}
+
+func (f failedBatch) Close() error { return f.err }
+
+func scalarTx(t *testing.T, tx pgx.Tx, sql string, args ...any) int64 {
+	t.Helper()
+	var v int64
+	require.NoError(t, tx.QueryRow(context.Background(), sql, args...).Scan(&v))
+	return v
 }
 
 // A run that no longer holds its turn (recovered, reclaimed, or past its lease) cannot start a
