@@ -17,10 +17,13 @@ import (
 // order: step by step with a recording sender, and end to end against a real server.
 
 // modeFake is a pipeline whose streams take batches, publishing through a sender that records
-// each message with its reply token; the test gives the replies.
+// each message with its reply token; the test gives the replies. Its sender's clock stands
+// still (clock), so no lane is committed for being idle (batchIdleCommit, 2 ms) unless a test
+// says so: a test on a loaded machine takes longer than that between two steps.
 type modeFake struct {
 	*pipeline
-	sent []sentMsg
+	sent  []sentMsg
+	clock time.Time
 }
 
 type sentMsg struct {
@@ -33,7 +36,7 @@ func newModeFake(t *testing.T, enter int) *modeFake {
 	var confirmed atomic.Uint64
 	cfg := Config{DatabaseURL: "x", NATS: &nats.Conn{}, MaxInFlight: 1000}
 	require.NoError(t, cfg.fill())
-	f := &modeFake{}
+	f := &modeFake{clock: time.Now()}
 	f.pipeline = newPipeline(&cfg, newMetrics(nil), &confirmed, func(func(ackResult)) (sendFunc, func(), error) {
 		return func(m *nats.Msg, token string) error {
 			f.sent = append(f.sent, sentMsg{m, token})
@@ -52,7 +55,7 @@ func (f *modeFake) flush() {
 		n := len(f.sent)
 		f.sendQueued()
 		for {
-			msg, token, wait := f.nextBatched(time.Now())
+			msg, token, wait := f.nextBatched(f.clock)
 			if msg == nil || wait {
 				break
 			}
