@@ -1,14 +1,12 @@
 package wire_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
-
-	"github.com/batonhq/baton/wire"
 )
 
 // A connection nats.go closes for good (a login refused again on reconnect, or the caller
@@ -23,12 +21,7 @@ func TestOutcomeSubscriberEndsWhenItsConnectionCloses(t *testing.T) {
 	r := newRecorder(nil)
 	cfg := b.config("closing", r)
 	cfg.NATS = nc
-	sub, err := wire.NewOutcomeSubscriber(cfg)
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	done := make(chan error, 1)
-	go func() { done <- sub.Run(ctx) }()
+	done := b.start(cfg)
 
 	b.publish("c1", "m1", "outcome:m1")
 	require.Equal(t, "m1", r.next(t).Event.MessageID)
@@ -38,5 +31,24 @@ func TestOutcomeSubscriberEndsWhenItsConnectionCloses(t *testing.T) {
 		require.ErrorContains(t, err, nats.ErrConnectionClosed.Error())
 	case <-time.After(30 * time.Second):
 		t.Fatal("Run still running 30s after its connection closed for good")
+	}
+}
+
+// A durable deleted under a running subscriber (an operator's `nats consumer rm`) ends Run
+// with an error saying so, instead of a subscriber that pulls from nothing for ever.
+func TestOutcomeSubscriberEndsWhenItsDurableIsDeleted(t *testing.T) {
+	t.Parallel()
+	b := setupSub(t, false)
+	r := newRecorder(nil)
+	done := b.start(b.config("gone", r))
+
+	b.publish("c1", "m1", "outcome:m1")
+	require.Equal(t, "m1", r.next(t).Event.MessageID)
+	require.NoError(t, b.js.DeleteConsumer(b.ctx(), b.stream, "gone"))
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, jetstream.ErrConsumerDeleted)
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run still running 30s after its durable was deleted")
 	}
 }

@@ -45,5 +45,5 @@ func TestOutcomeSubscriberKeepsOrderWhenDeliveriesAreLost(t *testing.T) {
 	last := b.publish("c1", "r3", "")
 
 	b.waitAcked("order", last)
-	require.Equal(t, []string{"r1", "r2", "r3"}, r.ids(), "handled out of stream order")
+	require.Equal(t, []string{"r1", "r2", "r3"}, r.ids(), "handled out of stream order; the subscriber logged:\n%s", b.logs.String())
 }

@@ -41,18 +41,24 @@ var prefixSeq atomic.Int64
 // the outcomes stream. Each test has its own prefix, so tests sharing a server do not meet.
 func setupSub(t *testing.T, noStream bool) *subBundle {
 	t.Helper()
-	ns := testsvc.StartNATS(t)
-	nc, err := nats.Connect(ns.URL())
+	b := newSubBundle(t, testsvc.StartNATS(t).URL())
+	if !noStream {
+		b.createStream()
+	}
+	return b
+}
+
+// newSubBundle connects to the NATS server at url and returns a bundle of a prefix of its
+// own there, without its stream.
+func newSubBundle(t *testing.T, url string) *subBundle {
+	t.Helper()
+	nc, err := nats.Connect(url)
 	require.NoError(t, err)
 	t.Cleanup(nc.Close)
 	js, err := jetstream.New(nc)
 	require.NoError(t, err)
 	prefix := fmt.Sprintf("t%d_%d", time.Now().UnixNano(), prefixSeq.Add(1))
-	b := &subBundle{t: t, nc: nc, js: js, prefix: prefix, stream: wire.StreamName(prefix, wire.KindOutcomes)}
-	if !noStream {
-		b.createStream()
-	}
-	return b
+	return &subBundle{t: t, nc: nc, js: js, prefix: prefix, stream: wire.StreamName(prefix, wire.KindOutcomes)}
 }
 
 func (b *subBundle) ctx() context.Context {
@@ -180,6 +186,28 @@ func (b *subBundle) run(cfg wire.OutcomeSubscriberConfig) (stop func()) {
 	}
 	b.t.Cleanup(stop)
 	return stop
+}
+
+// start runs a subscriber with cfg until the test ends (then requiring Run to return within
+// 40s), and returns what Run returned.
+func (b *subBundle) start(cfg wire.OutcomeSubscriberConfig) <-chan error {
+	sub, err := wire.NewOutcomeSubscriber(cfg)
+	require.NoError(b.t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done, exited := make(chan error, 1), make(chan struct{})
+	go func() {
+		done <- sub.Run(ctx)
+		close(exited)
+	}()
+	b.t.Cleanup(func() {
+		cancel()
+		select {
+		case <-exited:
+		case <-time.After(40 * time.Second):
+			b.t.Errorf("Run did not return within 40s of its context ending")
+		}
+	})
+	return done
 }
 
 // consumerInfo returns the durable's state as the server has it.
