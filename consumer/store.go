@@ -44,23 +44,53 @@ func (s *store) lockTimeoutSetting() string {
 	return fmt.Sprintf("%dms", d.Milliseconds())
 }
 
+// Shared by claims, tool records and final commits.
+
+// genericPlansSQL makes the statements after it in the transaction run their cached generic
+// plan. Postgres otherwise keeps planning the claim and final-commit statements afresh on
+// every execution (about a millisecond each): their generic plans, costed for arrays of
+// unknown length, never look cheaper than a custom plan for a one-element array, though
+// they are the same index probes.
+//
+// It turns sequential scans off for the transaction: a generic plan is made once per
+// connection and kept until the tables' statistics change, so one made while a table was
+// nearly empty (a new database; autovacuum analyzes it a minute later at the earliest) would
+// otherwise scan that table whole on every execution as it grows. Seen in baton bench turns
+// (a new database per phase): the final commit's update of the runs' operations read the
+// whole operations table; without that scan the tools phase's final commits took a sixth
+// less time (pg_stat_statements, 760 instead of 920µs per run).
+//
+// It also sets lock_timeout ($1) for the transaction (a claim, a tool record or a final
+// commit): a row that another transaction holds for long fails the statement (55P03) instead
+// of stalling it, and every one queued behind it; a shared statement is then redone for each
+// conversation apart, so only the held conversation's fails (a final commit's run is
+// recovered after its lease).
+//
+// It is the first statement of every transaction that asks for it: plan_cache_mode counts when
+// a statement is bound, so a statement that set it would still be planned by the mode before.
+// lock_timeout bounds what the statements after it wait for, not the round trip in which pgx
+// first prepares a statement on a connection (or again after a failed batch), which comes
+// before the batch: a table lock an operator holds (ALTER TABLE) stalls that until the batch's
+// timeout (30 s).
+const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_seqscan', 'off', true),
+	set_config('lock_timeout', $1, true)`
+
 // Claims and leases.
 
 // lockConversationsSQL takes the conversations' claim locks and records, for the rest of the
 // transaction, which ones it got; SKIP LOCKED makes a concurrent claimer give up at once
-// instead of queueing behind us. It also sets, for the claim transaction only:
-//   - plan_cache_mode: the claim statement runs its cached generic plan (see genericPlansSQL);
-//   - lock_timeout ($2): a row some other transaction holds for long fails the claim (55P03)
-//     instead of stalling every claim behind it; the batch is then claimed apart;
-//   - synchronous_commit off: the claim does not wait for its WAL to reach disk. A claim that
-//     a database crash loses is harmless: its rows are pending again, and the run's fenced
-//     final commit fails, so nothing of it is kept. Whatever the run does that matters commits
-//     synchronously later (its tool operations, its final commit), and flushing that WAL
-//     flushes the claim's before it.
+// instead of queueing behind us. It runs after genericPlansSQL, which gives it and the claim
+// statement their cached generic plans and sets the claim's lock_timeout: a row some other
+// transaction holds for long fails the claim (55P03) instead of stalling every claim behind
+// it; the batch is then claimed apart. (When this statement set plan_cache_mode itself, the
+// setting came too late for its own plan: it was planned afresh at every claim, about half its
+// cost.) It also turns synchronous_commit off for the claim transaction: the claim does not
+// wait for its WAL to reach disk. A claim that a database crash loses is harmless: its rows
+// are pending again, and the run's fenced final commit fails, so nothing of it is kept.
+// Whatever the run does that matters commits synchronously later (its tool operations, its
+// final commit), and flushing that WAL flushes the claim's before it.
 const lockConversationsSQL = `
 SELECT set_config('baton.claim_locked', coalesce(json_agg(id), '[]')::text, true),
-       set_config('plan_cache_mode', 'force_generic_plan', true),
-       set_config('lock_timeout', $2, true),
        set_config('synchronous_commit', 'off', true)
 FROM (SELECT id FROM conversations WHERE id = ANY($1) FOR NO KEY UPDATE SKIP LOCKED) locked`
 
@@ -157,27 +187,6 @@ UPDATE agent_outbox o SET lease_expires_at = now() + $4 * interval '1 millisecon
 WHERE o.id IN (SELECT id FROM held) AND (SELECT count(*) FROM held) = cardinality($3::bigint[])`
 
 // Final commits.
-
-// genericPlansSQL makes the statements after it in the transaction run their cached generic
-// plan. Postgres otherwise keeps planning the claim and final-commit statements afresh on
-// every execution (about a millisecond each): their generic plans, costed for arrays of
-// unknown length, never look cheaper than a custom plan for a one-element array, though
-// they are the same index probes.
-//
-// It turns sequential scans off for the transaction: a generic plan is made once per
-// connection and kept until the tables' statistics change, so one made while a table was
-// nearly empty (a new database; autovacuum analyzes it a minute later at the earliest) would
-// otherwise scan that table whole on every execution as it grows. Seen in baton bench turns
-// (a new database per phase): the final commit's update of the runs' operations read the
-// whole operations table; without that scan the tools phase's final commits took a sixth
-// less time (pg_stat_statements, 760 instead of 920µs per run).
-//
-// It also sets lock_timeout ($1) for the final commit: a conversation row that another
-// transaction holds for long fails the commit (55P03) instead of stalling it, and every
-// final commit queued behind it; a shared commit is then redone run by run, so only the run
-// of the held conversation fails (and is recovered after its lease).
-const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_seqscan', 'off', true),
-	set_config('lock_timeout', $1, true)`
 
 // finishSQL ends runs in one statement, so in one transaction and one round trip:
 //   - per run, the logical message naming the rows its reply answers, for the relay's outcome

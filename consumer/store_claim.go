@@ -39,7 +39,7 @@ type claim struct {
 // an ordered, capped prefix of its pending rows (see claimSQL), unless another run holds the
 // conversation. The returned ids define the turn. The conversations must be distinct.
 //
-// Both statements go in one pipelined batch, which Postgres runs as one implicit transaction:
+// The statements go in one pipelined batch, which Postgres runs as one implicit transaction:
 // the locks are held until the claim commits, and the claim statement still gets a snapshot of
 // its own, taken after the locks. When a shared claim fails, each conversation is claimed on
 // its own, so one conversation's trouble never stops another's claims.
@@ -95,11 +95,15 @@ func (s *store) claimAll(ctx context.Context, reqs []claimReq) ([]claim, error) 
 		convs[i], runs[i] = r.conversationID, r.runID
 	}
 	batch := &pgx.Batch{}
-	batch.Queue(lockConversationsSQL, convs, s.lockTimeoutSetting())
+	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
+	batch.Queue(lockConversationsSQL, convs)
 	batch.Queue(claimSQL, convs, runs, s.lease.Milliseconds(), s.worker, s.maxRows, s.maxBytes)
 	br := s.pool.SendBatch(ctx, batch)
 	byConv := make(map[string]claim, len(reqs))
-	_, err := br.Exec() // held by a concurrent claimer, or deleted: the claim takes nothing there
+	_, err := br.Exec()
+	if err == nil {
+		_, err = br.Exec() // held by a concurrent claimer, or deleted: the claim takes nothing there
+	}
 	if err == nil {
 		var rows pgx.Rows
 		rows, err = br.Query()

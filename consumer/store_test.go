@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/internal/testsvc"
@@ -22,7 +23,12 @@ func storeFixture(t *testing.T) (*testsvc.Database, *store) {
 	db := testsvc.NewDatabase(t)
 	_, err := db.Pool.Exec(context.Background(), `INSERT INTO conversations (id) VALUES ('c')`)
 	require.NoError(t, err)
-	return db, &store{pool: db.Pool, lease: time.Minute, maxAttempts: 3,
+	return db, testStore(db.Pool)
+}
+
+// testStore is the store the tests use on pool: one-minute leases, three attempts, no backoff.
+func testStore(pool *pgxpool.Pool) *store {
+	return &store{pool: pool, lease: time.Minute, maxAttempts: 3,
 		backoff: func(int) time.Duration { return 0 }, worker: "test",
 		maxRows: 100, maxBytes: 8 << 20, failureMessage: DefaultFailureMessage}
 }

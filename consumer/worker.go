@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"crypto/rand"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -68,6 +69,9 @@ func New(cfg Config) (*Worker, error) {
 // finish (then cancels them and releases their rows), and returns nil.
 func (w *Worker) Run(ctx context.Context) error {
 	if err := w.checkSchema(ctx); err != nil {
+		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+			return nil // stopped while starting: nothing ran, nothing to drain
+		}
 		return err
 	}
 	w.claims = newBatcher(maxBatch, batchLinger, 30*time.Second, w.m.batchSize.WithLabelValues("claim"), w.store.claimMany)
