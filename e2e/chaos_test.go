@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"math/rand/v2"
@@ -348,7 +350,11 @@ func (c *checker) checkSubscriber(lines []subscriberLine) {
 	c.s.outcomes.mu.Unlock()
 	seen := map[string]int{}
 	got := map[string][]string{}
+	printedSeq := map[string]uint64{}
 	for _, l := range lines {
+		if _, ok := printedSeq[l.MessageID]; !ok {
+			printedSeq[l.MessageID] = l.Seq
+		}
 		seen[l.MessageID]++
 		if seen[l.MessageID] == 2 {
 			c.doubled++
@@ -365,22 +371,18 @@ func (c *checker) checkSubscriber(lines []subscriberLine) {
 			got[l.ConversationID] = append(got[l.ConversationID], l.MessageID)
 		}
 	}
-	res, err := c.s.pool.Query(c.ctx, `SELECT conversation_id, id FROM messages WHERE role <> 'user' ORDER BY created_at, id`)
+	want, err := c.commitOrder()
 	if err != nil {
 		c.fail("read replies: %v", err)
 		return
 	}
-	want := map[string][]string{}
-	var conv, id string
-	if _, err := pgx.ForEachRow(res, []any{&conv, &id}, func() error {
-		want[conv] = append(want[conv], id)
-		return nil
-	}); err != nil {
-		c.fail("read replies: %v", err)
-		return
-	}
+	var orders map[string]string // read once, at the first failure
+	var readErr string
 	for conv, ids := range want {
 		if !slices.Equal(ids, got[conv]) {
+			if orders == nil {
+				orders, readErr = c.streamOrders()
+			}
 			i := 0
 			for i < min(len(ids), len(got[conv])) && ids[i] == got[conv][i] {
 				i++
@@ -392,8 +394,143 @@ func (c *checker) checkSubscriber(lines []subscriberLine) {
 			if i < len(ids) {
 				committed = ids[i]
 			}
-			c.fail("conversation %q: the subscriber printed its outcomes out of commit order: %d printed, %d committed; the %d-th printed is %s, the %d-th committed %s",
-				conv, len(got[conv]), len(ids), i+1, printed, i+1, committed)
+			c.fail("conversation %q: the subscriber printed its outcomes out of commit order: %d printed, %d committed; the %d-th printed is %s, the %d-th committed %s\n"+
+				"  printed (id@stream seq): %s\n  committed: %s\n  stream order: %s",
+				conv, len(got[conv]), len(ids), i+1, printed, i+1, committed,
+				withSeqs(got[conv], printedSeq), strings.Join(ids, " "), orders[conv]+readErr)
+		}
+	}
+}
+
+// commitOrder returns each conversation's replies and visible errors (their message ids) in
+// the order they were committed.
+func (c *checker) commitOrder() (map[string][]string, error) {
+	res, err := c.s.pool.Query(c.ctx, `SELECT conversation_id, id FROM messages WHERE role <> 'user' ORDER BY created_at, id`)
+	if err != nil {
+		return nil, err
+	}
+	want := map[string][]string{}
+	var conv, id string
+	_, err = pgx.ForEachRow(res, []any{&conv, &id}, func() error {
+		want[conv] = append(want[conv], id)
+		return nil
+	})
+	return want, err
+}
+
+// withSeqs lists ids as id@seq.
+func withSeqs(ids []string, seq map[string]uint64) string {
+	out := make([]string, len(ids))
+	for i, id := range ids {
+		out[i] = fmt.Sprintf("%s@%d", id, seq[id])
+	}
+	return strings.Join(out, " ")
+}
+
+// storedOutcome is an outcome as the outcomes stream holds it.
+type storedOutcome struct {
+	id, conversation string
+	seq              uint64
+}
+
+// storedOutcomes reads the outcomes stream's messages whose subject match accepts, in stream
+// order, one by one from the stream's leader (a consumer may have no leader for a while
+// in a cluster still settling after its restarts); a read that fails is retried, for up to 30s
+// in all.
+func (c *checker) storedOutcomes(match func(subject string) bool) ([]storedOutcome, error) {
+	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
+	defer cancel()
+	js, err := jetstream.New(c.s.nc)
+	if err != nil {
+		return nil, err
+	}
+	var st jetstream.Stream
+	for st, err = js.Stream(ctx, "AGENT_OUTCOMES"); err != nil; st, err = js.Stream(ctx, "AGENT_OUTCOMES") {
+		if ctx.Err() != nil {
+			return nil, err
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	state := st.CachedInfo().State
+	var out []storedOutcome
+	for seq := state.FirstSeq; seq <= state.LastSeq && seq > 0; seq++ {
+		msg, err := st.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return out, fmt.Errorf("at stream sequence %d: %w", seq, err)
+			}
+			seq--
+			time.Sleep(200 * time.Millisecond)
+			continue
+		}
+		if !match(msg.Subject) {
+			continue
+		}
+		var ev struct {
+			MessageID      string `json:"message_id"`
+			ConversationID string `json:"conversation_id"`
+		}
+		if err := json.Unmarshal(msg.Data, &ev); err != nil {
+			return out, fmt.Errorf("outcome %d on %s: %w", seq, msg.Subject, err)
+		}
+		out = append(out, storedOutcome{ev.MessageID, ev.ConversationID, seq})
+	}
+	return out, nil
+}
+
+// streamOrders reads the outcomes stream once and returns each conversation's outcomes as
+// message id@stream sequence in stream order, and what went wrong reading it ("" if nothing):
+// whether an order failure is the stream's or the delivery's.
+func (c *checker) streamOrders() (map[string]string, string) {
+	stored, err := c.storedOutcomes(func(subject string) bool { return strings.HasPrefix(subject, "agent.outcomes.") })
+	orders := map[string]string{}
+	for conv, ids := range withStreamSeqs(stored) {
+		orders[conv] = strings.Join(ids, " ")
+	}
+	if err != nil {
+		return orders, fmt.Sprintf(" (read the stream: %v)", err)
+	}
+	return orders, ""
+}
+
+// withStreamSeqs lists each conversation's stored outcomes as message id@stream sequence.
+func withStreamSeqs(stored []storedOutcome) map[string][]string {
+	orders := map[string][]string{}
+	for _, o := range stored {
+		orders[o.conversation] = append(orders[o.conversation], fmt.Sprintf("%s@%d", o.id, o.seq))
+	}
+	return orders
+}
+
+// checkStreamOrder checks that the outcomes stream holds each conversation's outcomes once
+// each (a repeat after the stream's duplicate window aside) in commit order: what the relay
+// promises, whatever a subscriber then does.
+func (c *checker) checkStreamOrder() {
+	want, err := c.commitOrder()
+	if err != nil {
+		c.fail("read replies: %v", err)
+		return
+	}
+	stored, err := c.storedOutcomes(func(subject string) bool { return strings.HasPrefix(subject, "agent.outcomes.") })
+	if err != nil {
+		c.fail("read the outcomes stream: %v", err)
+		return
+	}
+	got, seen := map[string][]string{}, map[string]bool{}
+	for _, o := range stored {
+		if !seen[o.id] {
+			seen[o.id] = true
+			got[o.conversation] = append(got[o.conversation], o.id)
+		}
+	}
+	orders := withStreamSeqs(stored)
+	for conv, ids := range want {
+		if !slices.Equal(ids, got[conv]) {
+			c.fail("conversation %q: the outcomes stream holds its outcomes out of commit order or incomplete\n  committed: %s\n  stream order: %s",
+				conv, strings.Join(ids, " "), strings.Join(orders[conv], " "))
 		}
 	}
 }
@@ -449,6 +586,7 @@ func (c *checker) checkStreams() {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+	c.checkStreamOrder()
 	if st, err := js.Stream(ctx, "AGENT_DEADLETTER"); err == nil {
 		if n := st.CachedInfo().State.Msgs; n != 0 {
 			c.fail("%d records in the dead-letter stream", n)

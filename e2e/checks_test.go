@@ -111,6 +111,21 @@ func TestChaosChecksCatchDefects(t *testing.T) {
 			swapped[i], swapped[j] = swapped[j], swapped[i]
 			c.checkSubscriber(swapped)
 		}},
+		{"outcomes stored out of commit order", "outcomes stream holds", func() func() {
+			// Postgres's order of the conversation's first two outcomes swapped: the stream's
+			// order is now not the commit order.
+			swap := `UPDATE messages m SET created_at = o.created_at FROM messages o
+				WHERE m.id IN ($1, $2) AND o.id IN ($1, $2) AND o.id <> m.id`
+			a, b := lines[slices.IndexFunc(lines, func(l subscriberLine) bool { return l.ConversationID == twice })].MessageID, ""
+			for _, l := range lines {
+				if l.ConversationID == twice && l.MessageID != a {
+					b = l.MessageID
+					break
+				}
+			}
+			exec(swap, a, b)
+			return func() { exec(swap, a, b) }
+		}, func(c *checker) { c.checkStreamOrder() }},
 		{"a record in the dead-letter stream", "dead-letter", func() func() {
 			js, err := jetstream.New(s.nc)
 			require.NoError(t, err)
