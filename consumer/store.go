@@ -26,8 +26,8 @@ type store struct {
 	maxRows, maxBytes int
 	// failureMessage is the text a user sees of a visible failure (Config.FailureMessage).
 	failureMessage func(error) string
-	// lockTimeout bounds how long a claim or a final commit waits for a row lock; zero:
-	// defaultLockTimeout.
+	// lockTimeout bounds how long a claim, a tool record or end, a final commit, a run's end
+	// or a recovery waits for a row lock; zero: defaultLockTimeout.
 	lockTimeout time.Duration
 }
 
@@ -74,6 +74,10 @@ func (s *store) lockTimeoutSetting() string {
 // timeout (30 s).
 const genericPlansSQL = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('enable_seqscan', 'off', true),
 	set_config('lock_timeout', $1, true)`
+
+// lockTimeoutSQL sets lock_timeout ($1) for the rest of the transaction: a run's end without
+// a reply, and a recovery (see boundLockWaits).
+const lockTimeoutSQL = `SELECT set_config('lock_timeout', $1, true)`
 
 // Claims and leases.
 

@@ -25,6 +25,15 @@ func lockHeld(ctx context.Context, tx pgx.Tx, sql string, args ...any) ([]heldRo
 	})
 }
 
+// boundLockWaits sets lock_timeout for the rest of tx: a row another transaction holds for
+// long (an operation or an outbox row an application or an operator updates and leaves open)
+// fails the run's end or its recovery (55P03) instead of stalling it, and, for recovery, every
+// expired run after it; the run is tried again at the next sweep.
+func (s *store) boundLockWaits(ctx context.Context, tx pgx.Tx) error {
+	_, err := tx.Exec(ctx, lockTimeoutSQL, s.lockTimeoutSetting())
+	return err
+}
+
 // endReq ends a run that has no reply: its handler failed, the worker stopped, the run was
 // lost, or its claim cannot be answered.
 type endReq struct {
@@ -59,6 +68,9 @@ func (s *store) endRun(ctx context.Context, r endReq) (ended, error) {
 	replyID := newReplyID("error")
 	err := retryUncertain(ctx, func() error {
 		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+			if err := s.boundLockWaits(ctx, tx); err != nil {
+				return err
+			}
 			held, err := lockHeld(ctx, tx, lockRunSQL, r.conversationID, r.runID, r.ids)
 			if err != nil {
 				return err
@@ -172,6 +184,9 @@ func (s *store) recoverRun(ctx context.Context, run expiredRun) (recovered, erro
 	err := retryUncertain(ctx, func() error {
 		r.ids = nil
 		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+			if err := s.boundLockWaits(ctx, tx); err != nil {
+				return err
+			}
 			held, err := lockHeld(ctx, tx, lockExpiredRunSQL, run.conversationID, run.runID)
 			if err != nil || len(held) == 0 {
 				return err

@@ -67,9 +67,15 @@ func newReplyID(role string) string {
 // rows terminal, the conversation's metadata and the run's record. It fails with errLeaseLost
 // when any claimed row is no longer this run's, and with errConversationGone when the
 // conversation was deleted; either way nothing is written. A lost connection or another
-// transient error is retried (see finishRetrying).
+// transient error is retried (see finishRetrying). When Postgres refuses a value of an end it
+// carries (see refused), the ends are written on their own (endOperations) and the run is
+// committed again without them: one tool call's output never costs the turn its reply.
 func (s *store) finishOne(ctx context.Context, r finishReq) error {
 	err := s.finishRetrying(ctx, []finishReq{r})
+	if len(r.ends) > 0 && refused(err) && s.endOperations(ctx, r.ends) == nil {
+		r.ends = nil
+		err = s.finishRetrying(ctx, []finishReq{r})
+	}
 	if errors.Is(err, errLeaseLost) {
 		if exists, qerr := conversationExists(ctx, s.pool, r.conversationID); qerr == nil && !exists {
 			return errConversationGone

@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // opEnd is how a tool call ended, kept by its Turn until the turn's next statement writes it
@@ -61,11 +63,39 @@ type recorded struct {
 // recordOperation records a tool call as running and returns its id, or errLeaseLost when the
 // run no longer holds its turn. It writes r.ends in the same transaction; they are written
 // unless it returns another error.
+//
+// When Postgres refuses a value of an end it carries (see refused), the ends are written on
+// their own (endOperations: each refused output is left out and said so) and the call is
+// recorded again without them, so that one call's output never fails the turn's next calls.
 func (s *store) recordOperation(ctx context.Context, r recordReq) (int64, error) {
+	id, err := s.recordOnce(ctx, r)
+	if len(r.ends) > 0 && refused(err) {
+		if eerr := s.endOperations(ctx, r.ends); eerr != nil {
+			return 0, fmt.Errorf("record operation: %w", err)
+		}
+		r.ends = nil
+		if id, err = s.recordOnce(ctx, r); err != nil {
+			err = endsWrittenError{err}
+		}
+	}
+	return id, err
+}
+
+// endsWrittenError is a record's error after the ends the record carried were written on
+// their own: the caller need not carry them again.
+type endsWrittenError struct{ error }
+
+func (e endsWrittenError) Unwrap() error { return e.error }
+
+// recordOnce is recordOperation's statement: the ends r carries, then the call's record.
+func (s *store) recordOnce(ctx context.Context, r recordReq) (int64, error) {
 	var id int64
 	batch := &pgx.Batch{}
+	// Also for a turn's first call, which carries no ends: the record locks the run's rows,
+	// and lock_timeout bounds how long a row another transaction holds stalls it (and the
+	// records runner, every turn's tool calls, behind it).
+	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
 	if len(r.ends) > 0 {
-		batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
 		endIDs, statuses, outputs, errs, took := opEnds(r.ends)
 		batch.Queue(endOperationsSQL, endIDs, statuses, outputs, errs, took)
 	}
@@ -162,16 +192,60 @@ func (s *store) recordAll(ctx context.Context, reqs []recordReq, out []recorded)
 	return nil
 }
 
-// endOperations writes ends, the ends of tool calls, in a transaction of their own.
+// endOperations writes ends, the ends of tool calls, in a transaction of their own. When
+// Postgres refuses a value of theirs (see refused), each is written apart, and one refused on
+// its own is written without its output, its error saying why (see unstored): every call's end
+// is recorded, whatever its output.
 func (s *store) endOperations(ctx context.Context, ends []opEnd) error {
 	if len(ends) == 0 {
 		return nil
 	}
-	endIDs, statuses, outputs, errs, took := opEnds(ends)
-	if _, err := s.pool.Exec(ctx, endOperationsSQL, endIDs, statuses, outputs, errs, took); err != nil {
+	err := s.writeEnds(ctx, ends)
+	if refused(err) {
+		err = nil
+		for i := 0; i < len(ends) && err == nil; i++ {
+			if err = s.writeEnds(ctx, ends[i:i+1]); refused(err) {
+				err = s.writeEnds(ctx, []opEnd{unstored(ends[i], err)})
+			}
+		}
+	}
+	if err != nil {
 		return fmt.Errorf("record the end of %d tool calls: %w", len(ends), err)
 	}
 	return nil
+}
+
+// writeEnds runs endOperationsSQL for ends, with lock_timeout: an operation row another
+// transaction holds fails it instead of stalling it.
+func (s *store) writeEnds(ctx context.Context, ends []opEnd) error {
+	endIDs, statuses, outputs, errs, took := opEnds(ends)
+	batch := &pgx.Batch{}
+	batch.Queue(genericPlansSQL, s.lockTimeoutSetting())
+	batch.Queue(endOperationsSQL, endIDs, statuses, outputs, errs, took)
+	return s.pool.SendBatch(ctx, batch).Close()
+}
+
+// refused reports whether Postgres refused a statement for a value it carries rather than
+// for the statement: a data exception (class 22: JSON jsonb cannot hold, such as a \u0000 or
+// a lone surrogate escape or a number beyond numeric's range; text the database encoding
+// cannot hold) or a program limit (class 54: a jsonb too large or nested too deep).
+func refused(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, "22") || strings.HasPrefix(pgErr.Code, "54"))
+}
+
+// unstored is end without the values Postgres refused (err): its output left out and its error
+// saying so, with Postgres's message and code only (the detail and context quote the value).
+// The status stays: a call that returned is done, whether or not its output could be kept.
+func unstored(end opEnd, err error) opEnd {
+	why := "refused"
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		why = pgErr.Message + " (SQLSTATE " + pgErr.Code + ")"
+	}
+	end.output = nil
+	end.errText = sanitize("output not stored: the database refused it: "+why, maxDetailBytes)
+	return end
 }
 
 // history returns up to limit messages of conversation sent before first, oldest first.

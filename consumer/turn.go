@@ -1,7 +1,6 @@
 package consumer
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -97,7 +96,10 @@ const maxToolName = 200
 //
 // The call's end (done with output, or error) is written with the turn's next statement: the
 // next tool call's record, or the turn's end (its final commit, or whatever ends it otherwise).
-// Until then the operation shows as running; finished_at is when the call ended.
+// Until then the operation shows as running; finished_at is when the call ended. An output
+// that cannot be stored (not encodable as JSON, or JSON that Postgres's jsonb refuses: a
+// \u0000 or lone surrogate escape, a number beyond numeric's range) is left out of the record,
+// whose error then says why; the call still returns it, and nothing else of the turn fails.
 //
 // For a Write tool, the operation's row alone means the effect may have happened, whatever
 // the row's status: if fn fails (its error may come after the effect, as a timeout does), is
@@ -127,14 +129,15 @@ func (t *Turn) tool(ctx context.Context, span trace.Span, tool string, effect Ef
 	if err != nil {
 		return nil, fmt.Errorf("tool %s: encode input: %w", tool, err)
 	}
-	s := t.w.store
 	ends := t.takeEnds()
 	start := t.w.clock.Now()
 	opID, err := t.w.record(ctx, recordReq{runID: t.RunID, conversationID: t.ConversationID, ids: t.OutboxIDs,
 		tool: sanitize(tool, maxToolName), effect: effect, input: in, ends: ends})
 	if err != nil {
-		if !errors.Is(err, errLeaseLost) {
-			t.keepEnds(ends...) // not written: the statement failed
+		// Not written when the statement failed, unless it wrote them on their own first, or
+		// it failed for a lost lease (see recordOperationSQL, which writes them still).
+		if !errors.Is(err, errLeaseLost) && !errors.As(err, new(endsWrittenError)) {
+			t.keepEnds(ends...)
 		}
 		return nil, fmt.Errorf("tool %s: %w", tool, err)
 	}
@@ -149,21 +152,9 @@ func (t *Turn) tool(ctx context.Context, span trace.Span, tool string, effect Ef
 		t.keepEnds(end)
 		return nil, fmt.Errorf("%w: %s: %w", ErrToolFailed, tool, runErr)
 	}
-	outJSON, err := json.Marshal(out)
-	if err != nil {
-		return nil, fmt.Errorf("tool %s: encode output: %w", tool, err)
-	}
-	end.status, end.output = "done", outJSON
-	if bytes.Contains(outJSON, []byte(`\u0000`)) {
-		// Postgres's jsonb refuses NUL: written later, this end would fail the statement that
-		// carries it (another turn's record, the final commit), so it is written now, alone,
-		// and Postgres's refusal fails this call.
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		defer cancel()
-		if err := s.endOperations(rctx, []opEnd{end}); err != nil {
-			return nil, fmt.Errorf("tool %s: record result: %w", tool, err)
-		}
-		return out, nil
+	end.status = "done"
+	if end.output, err = json.Marshal(out); err != nil {
+		end.errText = sanitize("output not stored: cannot encode it as JSON: "+err.Error(), maxDetailBytes)
 	}
 	t.keepEnds(end)
 	return out, nil
