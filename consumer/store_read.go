@@ -235,7 +235,9 @@ func refused(err error) bool {
 }
 
 // unstored is end without the values Postgres refused (err): its output left out and its error
-// saying so, with Postgres's message and code only (the detail and context quote the value).
+// saying so, with Postgres's message and code only: the detail and context quote the value at
+// length (a message quotes at most the bytes of one character, of an output that would
+// otherwise have been stored whole).
 // The status stays: a call that returned is done, whether or not its output could be kept.
 func unstored(end opEnd, err error) opEnd {
 	why := "refused"
