@@ -56,7 +56,8 @@ on stderr. --json writes the report as JSON instead:
                       wait_p99_ms (row written → claimed), turn_p50_ms, turn_p99_ms (claimed →
                       committed), clock_offset_ms (database clock − this process's)
   ratios[]            name and value: ratios of figures of the same round
-  targets[]           name, want, value (null: not measured), met (null: not measured)
+  targets[]           name, want, value (null: not measured), met (null: not measured; false
+                      when not complete), complete (every phase it counts got every reply)
   wall_seconds        the whole run
 Every figure is {"median": m, "rounds": [one value per round]}.
 Exit status 0 when every message got its reply, 1 otherwise. Logs go to stderr at level warn

@@ -49,6 +49,31 @@ const warmup = time.Second
 // producers is how many connections commit in the latency runs.
 const producers = 8
 
+// Upper bounds of the sizes a run accepts. A run sets up what a size asks for (records of
+// every paced commit, conversations, a backlog) before it measures, after it created its
+// database: a size it cannot hold would end it out of memory, with no cleanup.
+const (
+	maxRate       = 100_000     // commits (or turns) per second of a latency run
+	maxPaced      = 10_000_000  // commits of one latency run: rate × duration
+	maxLatencyRun = time.Hour   // one latency run's measured duration
+	maxRows       = 100_000_000 // rows of a backlog
+	maxTurnsTurns = 10_000_000  // messages of a throughput phase
+)
+
+// checkPaced reports a latency duration, or a rate × duration, beyond what a run accepts;
+// nil when there is none.
+func checkPaced(rates []int, d time.Duration) error {
+	if d > maxLatencyRun {
+		return fmt.Errorf("latency duration must be at most %v, not %v", maxLatencyRun, d)
+	}
+	for _, r := range rates {
+		if r > 0 && r <= maxRate && d.Seconds()*float64(r) > maxPaced {
+			return fmt.Errorf("rate %d/s for %v is more than %d commits in one latency run", r, d, maxPaced)
+		}
+	}
+	return nil
+}
+
 // Bounds of waits.
 const (
 	startTimeout = 2 * time.Minute  // a relay process starting to stream
@@ -147,20 +172,21 @@ func (cfg Config) Validate() error {
 // check returns what is wrong with cfg's sizes, rates and parts.
 func (cfg Config) check() []error {
 	var errs []error
-	if cfg.Rows < 200 || cfg.Rows%200 != 0 {
-		errs = append(errs, fmt.Errorf("rows must be a positive multiple of 200 (2 writers × 100-row transactions), not %d", cfg.Rows))
+	if cfg.Rows < 200 || cfg.Rows%200 != 0 || cfg.Rows > maxRows {
+		errs = append(errs, fmt.Errorf("rows must be a positive multiple of 200 (2 writers × 100-row transactions) up to %d, not %d", maxRows, cfg.Rows))
 	}
 	if cfg.Rounds < 1 {
 		errs = append(errs, fmt.Errorf("rounds must be at least 1, not %d", cfg.Rounds))
 	}
 	for _, r := range cfg.Rates {
-		if r < 1 || r > 100_000 {
-			errs = append(errs, fmt.Errorf("rate %d/s is out of 1…100000", r))
+		if r < 1 || r > maxRate {
+			errs = append(errs, fmt.Errorf("rate %d/s is out of 1…%d", r, maxRate))
 		}
 	}
 	if cfg.LatencyDuration <= 0 {
 		errs = append(errs, fmt.Errorf("latency duration must be positive, not %v", cfg.LatencyDuration))
 	}
+	errs = append(errs, checkPaced(cfg.Rates, cfg.LatencyDuration))
 	for _, p := range cfg.Parts {
 		if !slices.Contains(AllParts, p) {
 			errs = append(errs, fmt.Errorf("unknown part %q (parts: %s)", p, strings.Join(AllParts, ", ")))

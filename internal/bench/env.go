@@ -93,6 +93,9 @@ func (e *env) open(ctx context.Context) error {
 	if e.pool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
 		return fmt.Errorf("connect to %s: %w", e.dbName, err)
 	}
+	if err := checkDatabase(ctx, e.pool, e.dbName); err != nil {
+		return err
+	}
 	if _, err := migrations.Up(ctx, e.pool); err != nil {
 		return fmt.Errorf("migrate %s: %w", e.dbName, err)
 	}
@@ -143,9 +146,17 @@ func (e *env) close(ctx context.Context) {
 }
 
 // withDatabase returns the connection string raw with its database replaced by db.
+// A URL's query may name the database too (dbname or database), and wins over its path: both
+// go, so that the path names it alone.
 func withDatabase(raw, db string) (string, error) {
 	if u, err := url.Parse(raw); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
 		u.Path, u.RawPath = "/"+db, ""
+		q := u.Query()
+		if q.Has("dbname") || q.Has("database") {
+			q.Del("dbname")
+			q.Del("database")
+			u.RawQuery = q.Encode()
+		}
 		return u.String(), nil
 	}
 	if strings.Contains(raw, "://") {
@@ -153,6 +164,19 @@ func withDatabase(raw, db string) (string, error) {
 	}
 	// key=value form: a later dbname wins.
 	return raw + " dbname=" + db, nil
+}
+
+// checkDatabase fails unless pool is connected to database want, the bench's own: the last
+// guard against working (migrating, truncating) in a database the bench did not create.
+func checkDatabase(ctx context.Context, pool *pgxpool.Pool, want string) error {
+	var got string
+	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&got); err != nil {
+		return fmt.Errorf("connect to %s: %w", want, err)
+	}
+	if got != want {
+		return fmt.Errorf("the connection string leads to database %q, not to the bench's own %q: refusing to work there", got, want)
+	}
+	return nil
 }
 
 // isLocalHost reports whether a libpq host is this machine: a Unix socket or a loopback name.

@@ -218,12 +218,13 @@ func NewTurns(cfg TurnsConfig) (*Turns, error) {
 		cfg.LogFormat = config.LogFormatText
 	}
 	var errs []error
-	if cfg.Turns < 1 {
-		errs = append(errs, fmt.Errorf("turns must be at least 1, not %d", cfg.Turns))
+	if cfg.Turns < 1 || cfg.Turns > maxTurnsTurns {
+		errs = append(errs, fmt.Errorf("turns must be 1…%d, not %d", maxTurnsTurns, cfg.Turns))
 	}
-	if len(cfg.Rates) == 0 || slices.ContainsFunc(cfg.Rates, func(r int) bool { return r < 1 }) {
-		errs = append(errs, fmt.Errorf("rates must be one or more rates of at least 1 per second, not %v", cfg.Rates))
+	if len(cfg.Rates) == 0 || slices.ContainsFunc(cfg.Rates, func(r int) bool { return r < 1 || r > maxRate }) {
+		errs = append(errs, fmt.Errorf("rates must be one or more rates of 1…%d per second, not %v", maxRate, cfg.Rates))
 	}
+	errs = append(errs, checkPaced(cfg.Rates, cfg.LatencyDuration))
 	if len(cfg.Workers) == 0 || slices.ContainsFunc(cfg.Workers, func(w int) bool { return w < 1 }) {
 		errs = append(errs, fmt.Errorf("workers must be one or more counts of at least 1, not %v", cfg.Workers))
 	}

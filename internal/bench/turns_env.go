@@ -214,6 +214,9 @@ func (e *turnsEnv) newDatabase(ctx context.Context) (_ *turnsDB, err error) {
 	if db.pool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
 		return nil, fmt.Errorf("connect to database %s: %w", name, err)
 	}
+	if err := checkDatabase(ctx, db.pool, name); err != nil {
+		return nil, err
+	}
 	if _, err := migrations.UpWith(ctx, db.pool, migrations.Options{Schema: turnsSchema, Publication: turnsPublication}); err != nil {
 		return nil, fmt.Errorf("apply migrations to %s: %w", name, err)
 	}

@@ -138,7 +138,10 @@ type TurnsTarget struct {
 	Name  string   `json:"name"`
 	Want  string   `json:"want"`  // the target, as text: ">= 2800 turns/s"
 	Value *float64 `json:"value"` // the figure's median, in the unit of Want; null when not measured
-	Met   *bool    `json:"met"`   // null when not measured
+	Met   *bool    `json:"met"`   // null when not measured; false when not complete
+	// Complete is false when a phase the figure comes from did not complete in every round
+	// (see TurnsThroughput.Complete): the target is then not met.
+	Complete bool `json:"complete"`
 }
 
 // Complete reports whether every message of every phase got its reply.
@@ -189,15 +192,7 @@ func (b *Turns) report(env *turnsEnv, results [][]turnsResult, wall time.Duratio
 		}
 		return turnsFigure(vals)
 	}
-	complete := func(i int) bool {
-		for round := range results {
-			r := results[round][i]
-			if r.done != r.sent || r.failed != 0 || r.sent == 0 {
-				return false
-			}
-		}
-		return true
-	}
+	complete := func(i int) bool { return turnsComplete(results, i) }
 	ms := func(d func(turnsResult) time.Duration) func(turnsResult) float64 {
 		return func(r turnsResult) float64 { return ms(d(r)) }
 	}
@@ -283,14 +278,23 @@ func (b *Turns) ratiosAndTargets(rep *TurnsReport, results [][]turnsResult) {
 			turnsPhase{kind: TurnsKindLatency, source: TurnsSourceJetStream, workers: w0, rate: rate}, p50)
 	}
 
-	target := func(name, want string, f TurnsFigure, ok, atLeast bool, limit float64) {
-		t := TurnsTarget{Name: name, Want: want}
+	// target records a target over the figure f of phases; a phase that did not complete in
+	// every round (a message without its reply, or failed) measured nothing the target can
+	// count, so the target is then not met, whatever the figure.
+	target := func(name, want string, f TurnsFigure, ok, atLeast bool, limit float64, phases ...turnsPhase) {
+		t := TurnsTarget{Name: name, Want: want, Complete: true}
+		for _, ph := range phases {
+			if i := find(ph); i >= 0 && !turnsComplete(results, i) {
+				t.Complete = false
+			}
+		}
 		if ok {
 			v := f.Median
 			met := v >= limit
 			if !atLeast {
 				met = v <= limit
 			}
+			met = met && t.Complete
 			t.Value, t.Met = &v, &met
 		}
 		rep.Targets = append(rep.Targets, t)
@@ -298,24 +302,38 @@ func (b *Turns) ratiosAndTargets(rep *TurnsReport, results [][]turnsResult) {
 	one := turnsPhase{kind: TurnsKindThroughput, source: TurnsSourceJetStream, workers: 1}
 	if i := find(one); i >= 0 {
 		target("turns/s, 1 worker", fmt.Sprintf(">= %d turns/s", TurnsTargetPerSecond),
-			turnsFigure(turnsColumn(results, i, perSecond)), true, true, TurnsTargetPerSecond)
+			turnsFigure(turnsColumn(results, i, perSecond)), true, true, TurnsTargetPerSecond, one)
 	} else {
 		target("turns/s, 1 worker", fmt.Sprintf(">= %d turns/s", TurnsTargetPerSecond), TurnsFigure{}, false, true, 0)
 	}
-	f, ok := ratio(turnsPhase{kind: TurnsKindThroughput, source: TurnsSourceJetStream, workers: 4}, one, perSecond)
-	target("turns/s, 4 workers / 1 worker", fmt.Sprintf(">= %.2f", TurnsTargetScaling), f, ok, true, TurnsTargetScaling)
+	four := turnsPhase{kind: TurnsKindThroughput, source: TurnsSourceJetStream, workers: 4}
+	f, ok := ratio(four, one, perSecond)
+	target("turns/s, 4 workers / 1 worker", fmt.Sprintf(">= %.2f", TurnsTargetScaling), f, ok, true, TurnsTargetScaling, four, one)
 	limit := config.DefaultWorkerDebounce + TurnsTargetLatencyOver
 	lat := turnsPhase{kind: TurnsKindLatency, source: TurnsSourceJetStream, workers: w0, rate: TurnsTargetLatencyRate}
 	want := fmt.Sprintf("<= %s ms (debounce %s + %s)", turnsMS(limit), config.DefaultWorkerDebounce, TurnsTargetLatencyOver)
 	if i := find(lat); i >= 0 {
 		target(fmt.Sprintf("p50 producer commit → reply commit at %d/s", TurnsTargetLatencyRate), want,
-			turnsFigure(turnsColumn(results, i, p50)), true, false, ms(limit))
+			turnsFigure(turnsColumn(results, i, p50)), true, false, ms(limit), lat)
 	} else {
 		target(fmt.Sprintf("p50 producer commit → reply commit at %d/s", TurnsTargetLatencyRate), want, TurnsFigure{}, false, false, 0)
 	}
-	f, ok = ratio(turnsPhase{kind: TurnsKindTools, source: TurnsSourceJetStream, workers: w0}, turnsPhase{kind: TurnsKindThroughput, source: TurnsSourceJetStream, workers: w0}, perSecond)
+	tools, plain := turnsPhase{kind: TurnsKindTools, source: TurnsSourceJetStream, workers: w0}, turnsPhase{kind: TurnsKindThroughput, source: TurnsSourceJetStream, workers: w0}
+	f, ok = ratio(tools, plain, perSecond)
 	target(fmt.Sprintf("turns/s, read+write tools / no tools (%d %s)", w0, turnsPlural(w0, "worker")),
-		fmt.Sprintf(">= %.2f", TurnsTargetTools), f, ok, true, TurnsTargetTools)
+		fmt.Sprintf(">= %.2f", TurnsTargetTools), f, ok, true, TurnsTargetTools, tools, plain)
+}
+
+// turnsComplete reports whether phase i completed in every round: every message sent got its
+// reply, and none failed.
+func turnsComplete(results [][]turnsResult, i int) bool {
+	for round := range results {
+		r := results[round][i]
+		if r.done != r.sent || r.failed != 0 || r.sent == 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // turnsColumn is v of phase i in every round.
@@ -423,6 +441,8 @@ func (r *TurnsReport) WriteTable(w io.Writer) error {
 		switch {
 		case t.Value == nil:
 			p("  %s\t%s\t-\tnot measured\n", t.Name, t.Want)
+		case !t.Complete:
+			p("  %s\t%s\t%s\tINCOMPLETE (not met)\n", t.Name, t.Want, turnsFmtValue(*t.Value))
 		case *t.Met:
 			p("  %s\t%s\t%s\tmet\n", t.Name, t.Want, turnsFmtValue(*t.Value))
 		default:
