@@ -117,13 +117,15 @@ func TestAdvBenchNewTurnsRejectsHugeSizes(t *testing.T) {
 }
 
 // bench relay refuses a backlog or a latency run it could not hold, before it creates
-// anything: rows past its bound, a latency run past an hour or past 10 million commits.
+// anything: rows past its bound, a latency run past an hour or past 10 million commits; and a
+// rate named twice.
 func TestAdvBenchRelayRejectsHugeSizes(t *testing.T) {
 	t.Parallel()
 	for name, cfg := range map[string]Config{
 		"rows":             {Rows: 1 << 40},
 		"latency duration": {Rates: []int{10}, LatencyDuration: 2 * time.Hour},
 		"rate × duration":  {Rates: []int{100_000}, LatencyDuration: 10 * time.Minute},
+		"a rate twice":     {Rates: []int{1000, 1000}}, // the second run's figures overwrote the first's
 	} {
 		t.Run(name, func(t *testing.T) {
 			require.Error(t, cfg.Validate(), "%s accepted", name)

@@ -60,9 +60,14 @@ const (
 	maxTurnsTurns = 10_000_000  // messages of a throughput phase
 )
 
-// checkPaced reports a latency duration, or a rate × duration, beyond what a run accepts;
-// nil when there is none.
+// checkPaced reports a rate named twice (its figures would overwrite each other), or a latency
+// duration, or a rate × duration, beyond what a run accepts; nil when there is none.
 func checkPaced(rates []int, d time.Duration) error {
+	for i, r := range rates {
+		if slices.Contains(rates[:i], r) {
+			return fmt.Errorf("rate %d/s named twice", r)
+		}
+	}
 	if d > maxLatencyRun {
 		return fmt.Errorf("latency duration must be at most %v, not %v", maxLatencyRun, d)
 	}
