@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/internal/testsvc"
@@ -56,7 +57,7 @@ func TestAdvTools2CounterAtItsMaximumDoesNotHoldTheConversation(t *testing.T) {
 }
 
 // A turn that ran a Write tool and then failed ends by endRun (a visible failure). endRun now
-// gives up after lock_timeout on a conversation row an application holds: the run's end fails
+// gives up after lock_timeout on an outbox row an application holds: the run's end fails
 // (commit failed), its rows stay processing. Once the lock is gone and the lease has run out,
 // recovery ends it as the same visible failure; the turn is never replayed. Covers endRun's
 // lock_timeout, which no other test reaches (passes).
@@ -89,21 +90,15 @@ func TestAdvTools2EndRunLockTimeoutThenRecoveryNeverReplaysAWrite(t *testing.T) 
 	case <-time.After(10 * time.Second):
 		t.Fatal("the handler never reached its tool call")
 	}
-	app, err := db.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = app.Rollback(ctx) }()
-	_, err = app.Exec(ctx, `UPDATE conversations SET unread_count = unread_count WHERE id = 'c'`)
-	require.NoError(t, err)
+	app := holdOpen(t, db, `UPDATE agent_outbox SET last_error = last_error WHERE conversation_id = 'c'`)
 	close(goOn)
-	// endRun waits on the conversation row, then gives up.
+	// endRun waits on the held outbox row (lockRunSQL), then gives up after lock_timeout
+	// (without it, only the end's 30 s deadline would stop the wait).
 	require.Eventually(t, func() bool {
-		return len(testsvc.Query[int](t, db, `SELECT pid FROM pg_stat_activity WHERE datname = current_database()
-			AND wait_event_type = 'Lock'`)) > 0
-	}, 10*time.Second, 5*time.Millisecond, "the run's end never waited on the held conversation row")
-	require.Eventually(t, func() bool {
-		return len(testsvc.Query[int](t, db, `SELECT pid FROM pg_stat_activity WHERE datname = current_database()
-			AND wait_event_type = 'Lock'`)) == 0
-	}, 10*time.Second, 10*time.Millisecond, "the run's end waited past lock_timeout")
+		var m dto.Metric
+		require.NoError(t, w.m.turns.WithLabelValues(resultCommitFailed).Write(&m))
+		return m.GetCounter().GetValue() == 1
+	}, 10*time.Second, 10*time.Millisecond, "the run's end did not give up on the held outbox row")
 	require.Equal(t, "processing", scalar[string](t, db, `SELECT status FROM agent_outbox`))
 	require.NoError(t, app.Rollback(ctx))
 	expire(t, db)

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"math"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -139,16 +140,12 @@ func TestAdvToolsFirstRecordHonoursLockTimeout(t *testing.T) {
 	c := claimOne(t, s, "c", run)
 	require.Len(t, c.ids, 1)
 
-	app, err := db.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = app.Rollback(ctx) }()
-	_, err = app.Exec(ctx, `UPDATE agent_outbox SET last_error = last_error WHERE id = $1`, c.ids[0])
-	require.NoError(t, err)
+	holdOpen(t, db, `UPDATE agent_outbox SET last_error = last_error WHERE id = $1`, c.ids[0])
 
-	// The same call carrying an end (a later call of the turn) fails after lock_timeout.
+	// The turn's first call, which carries no end, fails after lock_timeout.
 	rctx, cancel := context.WithTimeout(ctx, 20*s.lockTimeout)
 	defer cancel()
-	_, err = s.recordOperation(rctx, recordReq{runID: run, conversationID: "c", ids: c.ids, tool: "first",
+	_, err := s.recordOperation(rctx, recordReq{runID: run, conversationID: "c", ids: c.ids, tool: "first",
 		effect: Read, input: []byte(`{}`)})
 	var pgErr *pgconn.PgError
 	require.True(t, errors.As(err, &pgErr) && pgErr.Code == "55P03",
@@ -191,11 +188,11 @@ func TestAdvToolsUnencodableOutputStillRecordsTheEnd(t *testing.T) {
 // timeout: 200ms; b's call must be answered well within the 10 s bound.
 func TestAdvToolsHeldRowDoesNotStallOtherTurnsTools(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	db, _ := storeFixture(t)
 	conversations(t, db, "h", "b")
 	hClaimed, hGo := make(chan struct{}), make(chan struct{})
 	bDone := make(chan error, 1)
+	var hCalled atomic.Bool // h's tool call returned: its record's wait is over
 	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		Lease: time.Minute, RecoveryInterval: time.Minute,
 		Handler: func(ctx context.Context, t *Turn) (Reply, error) {
@@ -206,6 +203,8 @@ func TestAdvToolsHeldRowDoesNotStallOtherTurnsTools(t *testing.T) {
 			_, err := t.Tool(ctx, "lookup", Read, nil, func(context.Context) (any, error) { return "ok", nil })
 			if t.ConversationID == "b" {
 				bDone <- err
+			} else {
+				hCalled.Store(true)
 			}
 			return Reply{Content: "re " + t.ConversationID}, nil
 		}})
@@ -216,16 +215,9 @@ func TestAdvToolsHeldRowDoesNotStallOtherTurnsTools(t *testing.T) {
 	send(t, db, "h", "h-m1")
 	<-hClaimed
 	// An application transaction updates h's outbox row and stays open.
-	app, err := db.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = app.Rollback(ctx) }()
-	_, err = app.Exec(ctx, `UPDATE agent_outbox SET last_error = last_error WHERE conversation_id = 'h'`)
-	require.NoError(t, err)
+	holdOpen(t, db, `UPDATE agent_outbox SET last_error = last_error WHERE conversation_id = 'h'`)
 	close(hGo)
-	require.Eventually(t, func() bool {
-		return len(testsvc.Query[int](t, db, `SELECT pid FROM pg_stat_activity WHERE datname = current_database()
-			AND wait_event_type = 'Lock' AND query LIKE '%INSERT INTO operations%'`)) > 0
-	}, 10*time.Second, 10*time.Millisecond, "h's tool record never waited on the row")
+	awaitLockWait(t, db, "INSERT INTO operations", "h's tool record never waited on the row", hCalled.Load)
 
 	send(t, db, "b", "b-m1")
 	select {
@@ -371,11 +363,7 @@ func TestAdvToolsHeldOperationDoesNotStallRecovery(t *testing.T) {
 	const runH, runB = "00000000-0000-4000-8000-0000000ad1a1", "00000000-0000-4000-8000-0000000ad1b1"
 	require.Len(t, claimOne(t, s, "h", runH).ids, 1)
 	operation(t, db, runH, "h", "read", "running")
-	app, err := db.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = app.Rollback(ctx) }()
-	_, err = app.Exec(ctx, `UPDATE operations SET tool = tool WHERE run_id = $1`, runH)
-	require.NoError(t, err)
+	holdOpen(t, db, `UPDATE operations SET tool = tool WHERE run_id = $1`, runH)
 	expire(t, db)
 
 	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
@@ -384,10 +372,7 @@ func TestAdvToolsHeldOperationDoesNotStallRecovery(t *testing.T) {
 	require.NoError(t, err)
 	w.store.lockTimeout = 200 * time.Millisecond
 	runWorker(t, w)
-	require.Eventually(t, func() bool {
-		return len(testsvc.Query[int](t, db, `SELECT pid FROM pg_stat_activity WHERE datname = current_database()
-			AND wait_event_type = 'Lock' AND query LIKE '%UPDATE operations%'`)) > 0
-	}, 10*time.Second, 10*time.Millisecond, "recovery never reached h's operation")
+	awaitLockWait(t, db, "UPDATE operations", "recovery never reached h's operation")
 
 	// Another run dies, with nothing of it held: its row is written as a dead run leaves it.
 	_, err = db.Pool.Exec(ctx, `WITH m AS (INSERT INTO messages (id, conversation_id, role, content)

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/internal/testsvc"
@@ -42,10 +43,38 @@ func resetConversation(t *testing.T, db *testsvc.Database, id string) interface 
 // waitFinishBlocked waits until a final commit waits on a lock.
 func waitFinishBlocked(t *testing.T, db *testsvc.Database) {
 	t.Helper()
-	require.Eventually(t, func() bool {
+	awaitLockWait(t, db, "pg_logical_emit_message", "no final commit waited on a lock")
+}
+
+// awaitLockWait waits (up to 30s) until a statement on db whose text contains like waits on a
+// lock, or until past says the wait is over already (a wait bounded by lock_timeout may end
+// between two looks on a loaded machine), and fails with what and the database's sessions
+// otherwise.
+func awaitLockWait(t *testing.T, db *testsvc.Database, like, what string, past ...func() bool) {
+	t.Helper()
+	waiting := func() bool {
+		if len(past) > 0 && past[0]() {
+			return true
+		}
 		return len(testsvc.Query[int](t, db, `SELECT pid FROM pg_stat_activity WHERE datname = current_database()
-			AND wait_event_type = 'Lock' AND query LIKE '%pg_logical_emit_message%'`)) > 0
-	}, 30*time.Second, 10*time.Millisecond)
+			AND wait_event_type = 'Lock' AND strpos(query, $1) > 0`, like)) > 0
+	}
+	advEventually(t, waiting, 30*time.Second, func() string {
+		return fmt.Sprintf("%s; sessions: %q", what, testsvc.Query[string](t, db, `SELECT coalesce(wait_event_type, '-') || ' '
+			|| coalesce(state, '-') || ' ' || left(query, 100) FROM pg_stat_activity WHERE datname = current_database()`))
+	})
+}
+
+// holdOpen runs sql in a transaction that stays open, as an application holding rows would,
+// until the test rolls it back or ends.
+func holdOpen(t *testing.T, db *testsvc.Database, sql string, args ...any) pgx.Tx {
+	t.Helper()
+	tx, err := db.Pool.Begin(context.Background())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	_, err = tx.Exec(context.Background(), sql, args...)
+	require.NoError(t, err)
+	return tx
 }
 
 // Was: The per-run fence still stands aside for a run whose conversation row its
@@ -292,11 +321,7 @@ func TestCompletedTurnKeepsItsLeaseWaitingForItsCommit(t *testing.T) {
 	send(t, db, "h", "h-m1")
 	<-hStarted
 	// An application transaction holds h's conversation row for a while.
-	app, err := db.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = app.Rollback(ctx) }()
-	_, err = app.Exec(ctx, `SELECT 1 FROM conversations WHERE id = 'h' FOR UPDATE`)
-	require.NoError(t, err)
+	app := holdOpen(t, db, `SELECT 1 FROM conversations WHERE id = 'h' FOR UPDATE`)
 	close(hRelease) // h's final commit now waits for the row
 	waitFinishBlocked(t, db)
 
