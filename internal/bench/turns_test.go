@@ -80,7 +80,7 @@ func TestNewTurnsRejects(t *testing.T) {
 		cfg  TurnsConfig
 		want string
 	}{
-		{TurnsConfig{Turns: -1}, "turns must be at least 1"},
+		{TurnsConfig{Turns: -1}, "turns must be 1…10000000, not -1"},
 		{TurnsConfig{Rates: []int{}}, "rates must be"},
 		{TurnsConfig{Workers: []int{1, 0}}, "workers must be"},
 		{TurnsConfig{Sources: []string{"kafka"}}, `unknown source "kafka"`},
