@@ -71,7 +71,7 @@ func (s *store) recordOperation(ctx context.Context, r recordReq) (int64, error)
 	id, err := s.recordOnce(ctx, r)
 	if len(r.ends) > 0 && refused(err) {
 		if eerr := s.endOperations(ctx, r.ends); eerr != nil {
-			return 0, fmt.Errorf("record operation: %w", err)
+			return 0, fmt.Errorf("record operation: %w; then, the ends it carried on their own: %w", err, eerr)
 		}
 		r.ends = nil
 		if id, err = s.recordOnce(ctx, r); err != nil {
@@ -237,8 +237,8 @@ func refused(err error) bool {
 // unstored is end without the values Postgres refused (err): its output left out and its error
 // saying so, with Postgres's message and code only: the detail and context quote the value at
 // length (a message quotes at most the bytes of one character, of an output that would
-// otherwise have been stored whole).
-// The status stays: a call that returned is done, whether or not its output could be kept.
+// otherwise have been stored whole). The status stays: a call that returned is done, whether
+// or not its output could be kept.
 func unstored(end opEnd, err error) opEnd {
 	why := "refused"
 	var pgErr *pgconn.PgError
