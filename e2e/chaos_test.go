@@ -15,6 +15,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/batonhq/baton/wire"
 )
 
 var (
@@ -588,8 +590,8 @@ func (c *checker) checkStreams() {
 	}
 	c.checkStreamOrder()
 	if st, err := js.Stream(ctx, "AGENT_DEADLETTER"); err == nil {
-		if n := st.CachedInfo().State.Msgs; n != 0 {
-			c.fail("%d records in the dead-letter stream", n)
+		if n, err := wire.StreamEvents(ctx, st, "agent", wire.KindDeadLetter); err != nil || n != 0 {
+			c.fail("%d records in the dead-letter stream (%v)", n, err)
 		}
 	} else if !strings.Contains(err.Error(), "not found") {
 		c.fail("dead-letter stream: %v", err)

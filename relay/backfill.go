@@ -165,6 +165,7 @@ func (r *Relay) backfill(ctx context.Context, conn *pgx.Conn, snapshot string) (
 	cfg := &r.cfg
 	var discard atomic.Uint64
 	p := newPipeline(cfg, r.m, &discard, natsSender(cfg.NATS), r.batched)
+	p.fence, p.atomic = r.fence, r.atomic
 	var n int64
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return p.run(gctx.Done(), nil, 0) })

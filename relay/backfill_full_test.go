@@ -20,7 +20,7 @@ func TestFullStreamDuringFirstStartBackfillKeepsReplies(t *testing.T) {
 	b := setup(t)
 	reg := prometheus.NewRegistry()
 	b.cfg.Registerer = reg
-	b.cfg.Streams.MaxMsgs = 2
+	b.cfg.Streams.MaxMsgs = 3 // two events (or outcomes) and the slot's fence
 	ctx := ctxT(t, 2*time.Minute)
 	createConversations(t, b.db.Pool, "a")
 	for _, id := range []string{"u1", "u2", "u3"} { // a backlog larger than the stream
@@ -44,7 +44,7 @@ func TestFullStreamDuringFirstStartBackfillKeepsReplies(t *testing.T) {
 	// The workers drain the turns stream; the backfill then completes.
 	s, err := b.js.Stream(ctx, "AGENT_TURNS")
 	require.NoError(t, err)
-	cons, err := s.CreateOrUpdateConsumer(ctx, jetstream.ConsumerConfig{Durable: "workers",
+	cons, err := s.CreateOrUpdateConsumer(ctx, jetstream.ConsumerConfig{Durable: "workers", FilterSubject: "agent.turns.>",
 		AckPolicy: jetstream.AckExplicitPolicy, DeliverPolicy: jetstream.DeliverAllPolicy})
 	require.NoError(t, err)
 	deadline := time.Now().Add(time.Minute)

@@ -117,6 +117,10 @@ func (p *pipeline) caughtUp(now time.Time) {
 // route publishes ev the way the pipeline publishes now, switching it into or out of batches
 // as the backlog says (see batchEnterOutstanding). mu is held.
 func (p *pipeline) route(ev *pendingEvent) {
+	if p.atomic {
+		p.publishDeferred(ev) // into its stream's next atomic batch (see atomic.go)
+		return
+	}
 	switch p.mode {
 	case publishSingle:
 		p.publishOne(ev)
@@ -323,7 +327,9 @@ type batchReply struct {
 	batchRef
 	final bool
 	acked uint64 // messages 1..acked of the batch are stored
-	flow  uint64 // a flow acknowledgement's new flow (0: unchanged)
+	// streamSeq is, on the batch's PubAck, the stream sequence of its last message.
+	streamSeq uint64
+	flow      uint64 // a flow acknowledgement's new flow (0: unchanged)
 }
 
 // errBatchGap is the error of a batch the server found a message missing from.
@@ -366,7 +372,7 @@ func batchResult(ref batchRef, m *nats.Msg) ackResult {
 	case a.stream == "":
 		res.err = fmt.Errorf("%w: no stream in %q", errInvalidPubAck, m.Data)
 	default:
-		res.batch.final, res.batch.acked = true, a.count
+		res.batch.final, res.batch.acked, res.batch.streamSeq = true, a.count, a.seq
 	}
 	return res
 }
@@ -375,6 +381,11 @@ func batchResult(ref batchRef, m *nats.Msg) ackResult {
 // reports whether the pipeline goes on. It returns when nothing is left to send now.
 func (p *pipeline) sendBatched() bool {
 	for {
+		for lane := range laneCount {
+			if !p.refreshFence(lane) {
+				return false
+			}
+		}
 		msg, token, wait := p.nextBatched(time.Now())
 		switch {
 		case wait:
@@ -428,6 +439,7 @@ func (p *pipeline) nextBatched(now time.Time) (msg *nats.Msg, token string, wait
 	}
 	p.out[0] = nil
 	p.out = p.out[1:]
+	p.fence.stamp(ev.msg, ev.lane)
 	l.seq++
 	ev.bseq = l.seq
 	l.events = append(l.events, ev)
@@ -495,12 +507,13 @@ func (p *pipeline) batchAck(a ackResult) error {
 			}
 		}
 		return fmt.Errorf("publish batch %s, message %d on %s: %w", r.id, r.seq, msg.Subject,
-			asStreamFull(a.err, li, p.streams[li], msg))
+			asFencedOut(asStreamFull(a.err, li, p.streams[li], msg)))
 	}
 	if r.final {
 		if r.acked != l.seq {
 			return fmt.Errorf("%w: batch %s stored %d of %d messages", errInvalidPubAck, r.id, r.acked, l.seq)
 		}
+		p.fence.ackedAt(li, r.streamSeq)
 		p.ackBatched(l, l.seq)
 		l.state, l.batch = laneIdle, ""
 		if p.mode == publishLeaving {

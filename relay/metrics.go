@@ -14,6 +14,7 @@ type metrics struct {
 	events                             *prometheus.CounterVec // kind: turn|outcome|ignored|backfill
 	turns, outcomes, backfill, ignored prometheus.Counter     // events' children, resolved once
 	omitted                            prometheus.Counter
+	replaySkipped                      prometheus.Counter
 	traceDropped                       prometheus.Counter
 	deadLetter                         *prometheus.CounterVec // kind: answers|turn|outcome
 	publishLatency                     prometheus.Histogram
@@ -46,6 +47,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}, []string{"kind"}),
 		omitted: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "baton_relay_content_omitted_total", Help: "Outcome events published without content because it exceeded the max payload.",
+		}),
+		replaySkipped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "baton_relay_replay_skipped_total",
+			Help: "Events of a session's replay that an earlier session had stored already (or turn events whose outbox row was finished meanwhile): not published again.",
 		}),
 		traceDropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "baton_relay_trace_context_dropped_total",
@@ -114,7 +119,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		m.switches.WithLabelValues(to) // shown from the start, at 0
 	}
 	if reg != nil {
-		reg.MustRegister(m.events, m.omitted, m.traceDropped, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
+		reg.MustRegister(m.events, m.omitted, m.replaySkipped, m.traceDropped, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
 			m.slotLagBytes, m.inFlight, m.inFlightBytes, m.active, m.batched, m.batching, m.switches, m.reconnects, m.errors, m.slotLost, m.fatal, m.streamFull)
 	}
 	return m

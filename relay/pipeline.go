@@ -107,6 +107,13 @@ type pipeline struct {
 	sending    atomic.Bool // the sender is inside a send: nats.go may be stuck writing
 
 	confirmed *atomic.Uint64
+	// fence is the session's stream fence (see fence.go), nil when no stream takes one: the
+	// sender raises it before its first send and stamps each event with it as it sends it.
+	fence *sessionFence
+	// atomic publishes every stream's events in atomic batches, one at a time per stream
+	// (see atomic.go): a fenced stream is replicated. alanes are the streams' batches then.
+	atomic bool
+	alanes [laneCount]atomicLane
 	// streams names each lane's stream, for errors and baton_relay_stream_full.
 	streams [laneCount]string
 	log     *slog.Logger
@@ -115,10 +122,15 @@ type pipeline struct {
 // ackResult is the reply to the publish of event id, or to a message of a batch: err is nil
 // for a PubAck (or a batch's flow acknowledgement), else the error the reply reports.
 type ackResult struct {
-	id    uint64
-	err   error
-	dup   bool        // a PubAck saying the stream had the event already (event by event only)
-	batch *batchReply // a reply on a batch; id is then unused
+	id  uint64
+	err error
+	seq uint64 // the stream sequence a PubAck reports (event by event, atomic batches)
+	// atomicID is the batch of an answer to an atomic batch's commit (see atomic.go), whose
+	// count says how many events it stored.
+	atomicID string
+	count    uint64
+	dup      bool        // a PubAck saying the stream had the event already (event by event only)
+	batch    *batchReply // a reply on a batch; id is then unused
 }
 
 type pendingEvent struct {
@@ -275,8 +287,14 @@ func (p *pipeline) sendLoop() {
 		return
 	}
 	defer stop()
+	if !p.raiseFence() {
+		return
+	}
 	send := p.sendQueued
-	if p.batched {
+	switch {
+	case p.atomic:
+		send = p.sendAtomic
+	case p.batched:
 		send = func() bool { return p.sendQueued() && p.sendBatched() }
 	}
 	// In batches, the sender also wakes on replies that change a lane, and to commit lanes
@@ -316,6 +334,58 @@ func (p *pipeline) openSend() (stop func(), ok bool) {
 	return stop, true
 }
 
+// fenceCtx returns a context for a fence write, which ends when the pipeline fails or stops,
+// or after AckTimeout.
+func (p *pipeline) fenceCtx() (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithTimeout(context.Background(), p.ackTimeout)
+	go func() { // ends with ctx: cancel is called by the caller when done
+		select {
+		case <-p.failed:
+		case <-p.done:
+		case <-ctx.Done():
+		}
+		cancel()
+	}()
+	return ctx, cancel
+}
+
+// raiseFence raises the session's fence (see fence.go) before the first send, and reports
+// whether the pipeline goes on. A failure fails the pipeline.
+func (p *pipeline) raiseFence() bool {
+	if p.fence == nil || p.fence.raised {
+		return true
+	}
+	ctx, cancel := p.fenceCtx()
+	err := p.fence.raise(ctx)
+	cancel()
+	return p.fenceFailed(err)
+}
+
+// refreshFence writes the fence of lane again when a limit of its stream calls for it (see
+// sessionFence.refreshDue), and reports whether the pipeline goes on.
+func (p *pipeline) refreshFence(lane int) bool {
+	if p.fence == nil || !p.fence.refreshDue(lane, time.Now()) {
+		return true
+	}
+	ctx, cancel := p.fenceCtx()
+	err := p.fence.refresh(ctx, lane)
+	cancel()
+	return p.fenceFailed(err)
+}
+
+// fenceFailed fails the pipeline with err, a fence write's, unless it is nil, and reports
+// whether the pipeline goes on.
+func (p *pipeline) fenceFailed(err error) bool {
+	if err == nil {
+		return true
+	}
+	p.m.errors.WithLabelValues("publish").Inc()
+	p.mu.Lock()
+	p.fail(err)
+	p.mu.Unlock()
+	return false
+}
+
 // sendQueued sends the events queued to go out one by one (up to the first one queued for a
 // batch, which sendBatched sends) and reports whether the pipeline goes on. A send error
 // fails the pipeline: the session replays from the confirmed LSN.
@@ -329,9 +399,10 @@ func (p *pipeline) sendQueued() bool {
 	p.out = p.out[n:]
 	p.mu.Unlock()
 	for _, ev := range single {
-		if p.halted.Load() {
+		if p.halted.Load() || !p.refreshFence(ev.lane) {
 			return false
 		}
+		p.fence.stamp(ev.msg, ev.lane)
 		ev.sentAt.Store(time.Now().UnixNano())
 		if !p.sendOne(ev.msg, eventToken(ev.id), ev.msg.Header.Get(nats.MsgIdHdr)) {
 			return false
@@ -419,8 +490,11 @@ func (p *pipeline) reply(a ackResult) {
 		return
 	}
 	ack := p.ack
-	if a.batch != nil {
+	switch {
+	case a.batch != nil:
 		ack = p.batchAck
+	case a.atomicID != "":
+		ack = p.atomicAck
 	}
 	if err := ack(a); err != nil {
 		p.fail(err)
@@ -595,9 +669,13 @@ func (p *pipeline) ack(a ackResult) error {
 	if a.err != nil {
 		p.m.errors.WithLabelValues("publish").Inc()
 		return fmt.Errorf("publish %s on %s: %w", ev.msg.Header.Get(nats.MsgIdHdr), ev.msg.Subject,
-			asStreamFull(a.err, ev.lane, p.streams[ev.lane], ev.msg))
+			asFencedOut(asStreamFull(a.err, ev.lane, p.streams[ev.lane], ev.msg)))
 	}
+	p.fence.ackedAt(ev.lane, a.seq)
 	p.acked(ev, !a.dup)
+	if p.atomic {
+		p.atomicSingleAcked(ev)
+	}
 	switch q := p.subjects[ev.msg.Subject]; {
 	case len(q) == 0:
 		delete(p.subjects, ev.msg.Subject)

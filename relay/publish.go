@@ -70,12 +70,16 @@ func newPublisher(nc *nats.Conn, deliver func(ackResult)) (*publisher, error) {
 			deliver(batchResult(batch, m))
 			return
 		}
+		if id, ok := parseAtomicToken(tok); ok {
+			deliver(atomicResult(id, m))
+			return
+		}
 		id, err := strconv.ParseUint(tok, 10, 64)
 		if err != nil {
 			return // not a subject we published with
 		}
-		dup, err := replyDuplicate(m)
-		deliver(ackResult{id: id, err: err, dup: dup})
+		seq, dup, err := replyAck(m)
+		deliver(ackResult{id: id, err: err, seq: seq, dup: dup})
 	})
 	if err != nil {
 		return nil, fmt.Errorf("subscribe to PubAcks: %w", err)
@@ -93,8 +97,35 @@ func newPublisher(nc *nats.Conn, deliver func(ackResult)) (*publisher, error) {
 // publish sends msg with the reply subject <inbox>.<token>. Publishes go out in order on the
 // connection, after the subscription that receives their replies.
 func (p *publisher) publish(msg *nats.Msg, token string) error {
-	msg.Reply = p.prefix + token
+	msg.Reply = ""
+	if token != "" { // "": no answer wanted (an atomic batch's messages before its commit)
+		msg.Reply = p.prefix + token
+	}
 	return p.nc.PublishMsg(msg)
+}
+
+// atomicResult reads the answer m to the commit of atomic batch id.
+func atomicResult(id string, m *nats.Msg) ackResult {
+	res := ackResult{atomicID: id}
+	if len(m.Data) == 0 {
+		res.err = replyError(m)
+		if res.err == nil {
+			res.err = fmt.Errorf("%w: empty reply", errInvalidPubAck)
+		}
+		return res
+	}
+	a, err := parsePubAck(m.Data)
+	switch {
+	case err != nil:
+		res.err = err
+	case a.apiErr != nil:
+		res.err = a.apiErr
+	case a.stream == "":
+		res.err = fmt.Errorf("%w: no stream in %q", errInvalidPubAck, m.Data)
+	default:
+		res.seq, res.count = a.seq, a.count
+	}
+	return res
 }
 
 // eventToken is the reply token of event id published on its own.
@@ -109,31 +140,31 @@ func (p *publisher) close() {
 // without body (503: no stream listens on the subject), a JetStream API error, or a reply that
 // is not a PubAck.
 func replyError(m *nats.Msg) error {
-	_, err := replyDuplicate(m)
+	_, _, err := replyAck(m)
 	return err
 }
 
-// replyDuplicate is replyError, and for a PubAck whether it says "duplicate": the stream had
-// the message's Nats-Msg-Id already.
-func replyDuplicate(m *nats.Msg) (dup bool, err error) {
+// replyAck is replyError, and for a PubAck the stream sequence it reports and whether it says
+// "duplicate": the stream had the message's Nats-Msg-Id already.
+func replyAck(m *nats.Msg) (seq uint64, dup bool, err error) {
 	if len(m.Data) == 0 {
 		if status := m.Header.Get(statusHeader); status != "" {
 			if status == "503" {
-				return false, errNoResponders
+				return 0, false, errNoResponders
 			}
-			return false, fmt.Errorf("NATS status %s %s", status, m.Header.Get(descriptionHeader))
+			return 0, false, fmt.Errorf("NATS status %s %s", status, m.Header.Get(descriptionHeader))
 		}
 	}
 	ack, err := parsePubAck(m.Data)
 	switch {
 	case err != nil:
-		return false, err
+		return 0, false, err
 	case ack.apiErr != nil:
-		return false, ack.apiErr
+		return 0, false, ack.apiErr
 	case ack.stream == "":
-		return false, fmt.Errorf("%w: no stream in %q", errInvalidPubAck, m.Data)
+		return 0, false, fmt.Errorf("%w: no stream in %q", errInvalidPubAck, m.Data)
 	}
-	return ack.duplicate, nil
+	return ack.seq, ack.duplicate, nil
 }
 
 // streamFullCodes are the JetStream error codes with which the server refuses to store a

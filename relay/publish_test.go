@@ -97,8 +97,8 @@ func TestPublisherReportsEachKindOfReply(t *testing.T) {
 		require.NoError(t, pub.publish(m, eventToken(id)))
 	}
 
-	publish("puback.a", "one", 7) // a duplicate: acknowledged
-	require.Equal(t, ackResult{id: 7, dup: true}, next(t))
+	publish("puback.a", "one", 7)                                  // a duplicate: acknowledged
+	require.Equal(t, ackResult{id: 7, seq: 1, dup: true}, next(t)) // the stored copy's sequence
 
 	publish("puback.a", "three", 8) // the stream is full
 	a := next(t)

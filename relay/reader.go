@@ -11,6 +11,9 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/nats-io/nats.go"
+
+	"github.com/batonhq/baton/wire"
 )
 
 // reader receives the replication stream, decodes it into the pipeline, and reports the
@@ -33,6 +36,11 @@ type reader struct {
 	frames    *cutFrames     // between repl's socket and its protocol reader: says which messages it cut
 	copies    uint64         // CopyData messages received, as frames counts them
 	confirmed *atomic.Uint64 // what the pipeline made safe to confirm, reported in status updates
+
+	// replay, while not nil, holds the replay's items for the replay check (see replay.go).
+	replay *replayCheck
+	// txLSN is the open transaction's commit LSN as its events' wire.HeaderCommitLSN carries it.
+	txLSN []string
 
 	live       liveness  // whether the walsender answered the status updates
 	answersDue int       // status updates sent whose answer (a keepalive) has not arrived
@@ -107,6 +115,9 @@ func (rd *reader) receive(ctx, gctx context.Context) error {
 	raw, err := rd.repl.ReceiveMessage(context.Background())
 	if err != nil {
 		if pgconn.Timeout(err) {
+			if _, err := rd.decideReplay(ctx, gctx); err != nil {
+				return err
+			}
 			return rd.checkSilence(time.Now())
 		}
 		rd.m.errors.WithLabelValues("postgres").Inc()
@@ -169,6 +180,11 @@ func (rd *reader) handleCopyData(ctx, gctx context.Context, data []byte) error {
 		if c := rd.confirmed.Load(); uint64(it.lsn) > c {
 			rd.m.slotLagBytes.Set(float64(uint64(it.lsn) - c))
 		}
+		// The walsender has sent what it had, and the keepalive's WAL end may be confirmed:
+		// what the replay check holds goes first.
+		if ok, err := rd.decideReplay(ctx, gctx); !ok || err != nil {
+			return err
+		}
 		if err := rd.put(ctx, gctx, it); err != nil {
 			return err
 		}
@@ -177,14 +193,108 @@ func (rd *reader) handleCopyData(ctx, gctx context.Context, data []byte) error {
 		}
 		return nil
 	default:
-		if it.kind == itemBegin {
+		switch {
+		case it.kind == itemBegin:
 			rd.frames.committed = it.commitTime // how far behind the next reads are (see bulkPause)
+			rd.txLSN = []string{it.lsn.String()}
+		case it.kind == itemEvent && it.msg != nil:
+			if it.msg.Header == nil {
+				it.msg.Header = nats.Header{}
+			}
+			it.msg.Header[wire.HeaderCommitLSN] = rd.txLSN
 		}
 		if it.deadLetter != "" {
 			logSetAside(rd.cfg.Logger, it, "lsn", cd.at)
 		}
-		return rd.put(ctx, gctx, it)
+		return rd.route(ctx, gctx, it)
 	}
+}
+
+// route hands it to the pipeline, or to the replay check while it checks the replay (see
+// replay.go).
+func (rd *reader) route(ctx, gctx context.Context, it item) error {
+	c := rd.replay
+	switch {
+	case c == nil:
+		return rd.put(ctx, gctx, it)
+	case !c.covers(it):
+		if ok, err := rd.decideReplay(ctx, gctx); !ok || err != nil {
+			return err
+		}
+		rd.replay = nil
+		rd.cfg.Logger.Info("replay checked against the streams", "through", c.to, "skipped", c.skipped)
+		return rd.put(ctx, gctx, it)
+	case c.hold(it):
+		_, err := rd.decideReplay(ctx, gctx)
+		return err
+	}
+	return nil
+}
+
+// decideReplay decides on the items the replay check holds and hands those to publish to the
+// pipeline, in order. It reports false when ctx ended first: the items not handed over are of
+// transactions not confirmed, which the next session replays, and the caller hands over
+// nothing after them (a later keepalive would confirm past them).
+//
+// The lookups go to NATS on a goroutine of their own while the reader keeps sending status
+// updates: a stalled NATS connection must not silence the replication stream. A lookup left
+// behind ends with its context (or when nats.go gives up the write it waits behind).
+func (rd *reader) decideReplay(ctx, gctx context.Context) (bool, error) {
+	c := rd.replay
+	if c == nil || len(c.held) == 0 {
+		return true, nil
+	}
+	dctx, cancel := context.WithTimeout(gctx, rd.cfg.SetupTimeout)
+	defer cancel()
+	held, wants := c.take()
+	if len(wants) > 0 {
+		type result struct {
+			looked []lookup
+			err    error
+		}
+		done := make(chan result, 1)
+		go func(wants []lookup) {
+			looked, err := c.lookUp(dctx, wants)
+			done <- result{looked, err}
+		}(wants)
+		for waiting := true; waiting; {
+			wait := time.NewTimer(time.Until(rd.nextStatus))
+			select {
+			case res := <-done:
+				wait.Stop()
+				if res.err != nil {
+					rd.m.errors.WithLabelValues("nats").Inc()
+					return false, res.err
+				}
+				wants, waiting = res.looked, false
+			case <-wait.C:
+				if err := rd.statusDue(gctx); err != nil {
+					return false, err
+				}
+			case <-ctx.Done():
+				wait.Stop()
+				return false, nil
+			case <-dctx.Done():
+				wait.Stop()
+				rd.m.errors.WithLabelValues("nats").Inc()
+				return false, fmt.Errorf("replay check: %w", dctx.Err())
+			}
+		}
+	}
+	items, err := c.decide(dctx, held, wants)
+	if err != nil {
+		rd.m.errors.WithLabelValues("postgres").Inc()
+		return false, err
+	}
+	for _, it := range items {
+		if ctx.Err() != nil {
+			return false, nil
+		}
+		if err := rd.put(ctx, gctx, it); err != nil {
+			return false, err
+		}
+	}
+	return ctx.Err() == nil, nil
 }
 
 // put hands one item to the pipeline, which publishes an event at once. While the pipeline is

@@ -30,6 +30,13 @@ type Relay struct {
 	streamsChecked bool
 	maxPayload     int64
 	batched        bool // every stream takes fast-ingest batches (see batch.go)
+	// fenced says which streams take the session fence (see fence.go), and fence holds this
+	// session's, which its pipelines' sender raises.
+	fenced [laneCount]fenceState
+	fence  *sessionFence
+	// atomic says a fenced stream is replicated: every stream is published to in atomic
+	// batches (see atomic.go).
+	atomic bool
 
 	confirmed atomic.Uint64 // the LSN last made safe to confirm
 	active    atomic.Bool   // streaming from the slot
@@ -90,9 +97,13 @@ func (r *Relay) Run(ctx context.Context) error {
 		var next time.Duration
 		backoff, next = nextBackoff(backoff, r.cfg.MaxBackoff, errors.As(err, &full))
 		wait := backoff/2 + rand.N(backoff/2+1) //nolint:gosec // G404: jitter needs no secrecy
-		if full != nil {
+		switch {
+		case full != nil:
 			r.streamFull(ctx, full, wait)
-		} else {
+		case errors.Is(err, errFencedOut):
+			log.Warn("a newer relay session fenced this one out of the streams; its unacknowledged events are left "+
+				"to that session, and this relay takes the relay lock again or stands by", "error", err, "retry_in", wait)
+		default:
 			log.Warn("relay session ended; reconnecting", "error", err, "retry_in", wait)
 		}
 		if retryIn(ctx, wait) != nil {
@@ -240,25 +251,33 @@ func (r *Relay) session(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("jetstream: %w", err)
 		}
-		batched, err := ensureStreams(ctx, js, cfg)
+		batched, fenced, err := ensureStreams(ctx, js, cfg)
 		if err != nil {
 			r.m.errors.WithLabelValues("nats").Inc()
 			return err
 		}
-		if batched != r.batched || !r.streamsChecked {
+		atomic := publishAtomic(&fenced, log)
+		if batched != r.batched || atomic != r.atomic || !r.streamsChecked {
 			mode := "in fast-ingest batches"
-			if !batched {
+			switch {
+			case atomic:
+				mode = "in atomic batches, one at a time per stream (a replicated stream is fenced that way)"
+			case !batched:
 				mode = "event by event (the streams take no fast-ingest batches: nats-server 2.14 or later, allow_batched)"
 			}
 			log.Info("publishing "+mode, "classic_publish", cfg.ClassicPublish)
 		}
-		r.streamsChecked, r.maxPayload, r.batched = true, cfg.NATS.MaxPayload(), batched
+		r.streamsChecked, r.maxPayload, r.batched, r.fenced, r.atomic = true, cfg.NATS.MaxPayload(), batched, fenced, atomic
 		if batched {
 			r.m.batched.Set(1)
 		} else {
 			r.m.batched.Set(0)
 		}
 	}
+
+	// Raised by the sender of the session's first pipeline, before it publishes anything: from
+	// then on, what an older session of this slot still sends to a fenced stream is refused.
+	r.fence = r.newSessionFence()
 
 	replCfg := connCfg.Config.Copy()
 	replCfg.RuntimeParams["replication"] = "database"
@@ -438,18 +457,47 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		}
 		return fmt.Errorf("start replication on slot %s: %w", cfg.Slot, err)
 	}
+	var replay *replayCheck
+	if action == slotStream {
+		// An earlier session may have stored events past the slot's position: check the replay
+		// up to what the server had flushed now that this session holds the slot (replay.go).
+		var to pglogrepl.LSN
+		if err := r.bounded(ctx, func(ctx context.Context) error {
+			return conn.QueryRow(ctx, `SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+				ELSE pg_current_wal_flush_lsn() END::text`).Scan(&lsnText{&to})
+		}); err != nil {
+			return fmt.Errorf("read the WAL position: %w", err)
+		}
+		if replay, err = r.newReplayCheck(conn, to); err != nil {
+			return err
+		}
+	}
 	log.Info("streaming", "slot", cfg.Slot, "lsn", r.Confirmed())
 	r.active.Store(true)
 	r.healthy.Store(true)
 	r.m.active.Set(1)
-	return r.replicate(ctx, repl, frames)
+	return r.replicate(ctx, repl, frames, replay)
+}
+
+// lsnText scans an LSN printed as text ("0/16B3748").
+type lsnText struct{ lsn *pglogrepl.LSN }
+
+func (l lsnText) Scan(src any) error {
+	s, ok := src.(string)
+	if !ok {
+		return fmt.Errorf("LSN: got %T", src)
+	}
+	v, err := pglogrepl.ParseLSN(s)
+	*l.lsn = v
+	return err
 }
 
 // replicate runs the reader (which owns the replication connection) and the pipeline until
 // one fails or ctx ends.
-func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutFrames) error {
+func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutFrames, replay *replayCheck) error {
 	cfg := &r.cfg
 	p := newPipeline(cfg, r.m, &r.confirmed, natsSender(cfg.NATS), r.batched)
+	p.fence, p.atomic = r.fence, r.atomic
 	p.deferKicks = true
 	frames.readInBulk(&p.behind, p.flushOut)
 	g, gctx := errgroup.WithContext(context.WithoutCancel(ctx))
@@ -462,6 +510,8 @@ func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutF
 		}
 		return err
 	})
-	g.Go(func() error { return r.newReader(repl, frames, p).run(ctx, gctx) })
+	rd := r.newReader(repl, frames, p)
+	rd.replay = replay
+	g.Go(func() error { return rd.run(ctx, gctx) })
 	return g.Wait()
 }

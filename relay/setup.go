@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strings"
 	"time"
@@ -165,14 +166,15 @@ func checkShardFilters(ctx context.Context, conn *pgx.Conn, cfg *Config) error {
 // relay relies on is refused with ErrSetup naming each setting; one whose limits (max age,
 // bytes, messages, replicas) differ from cfg.Streams is kept as it is, with a warning: the
 // relay never rewrites an operator's limits.
-func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (batched bool, err error) {
+func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (batched bool, fenced [laneCount]fenceState, err error) {
 	batched = !cfg.ClassicPublish
+	serverFences := serverFences(cfg.NATS.ConnectedServerVersion())
 	if maxPayload := cfg.NATS.MaxPayload(); cfg.Streams.MaxBytes > 0 && cfg.Streams.MaxBytes < maxPayload {
 		// A stream smaller than one event could refuse an event for good: "full" forever.
-		return false, fmt.Errorf("%w: stream max bytes %d is below the NATS server's max_payload %d, the size of one event at most; "+
+		return false, fenced, fmt.Errorf("%w: stream max bytes %d is below the NATS server's max_payload %d, the size of one event at most; "+
 			"raise BATON_STREAM_MAX_BYTES", ErrSetup, cfg.Streams.MaxBytes, maxPayload)
 	}
-	for _, want := range wantStreams(cfg) {
+	for lane, want := range wantStreams(cfg) {
 		st, err := js.Stream(ctx, want.Name)
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
 			st, err = js.CreateStream(ctx, want)
@@ -183,15 +185,15 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (ba
 				continue
 			}
 			if err != nil {
-				return false, fmt.Errorf("create stream %s: %w", want.Name, err)
+				return false, fenced, fmt.Errorf("create stream %s: %w", want.Name, err)
 			}
 		}
 		if err != nil {
-			return false, fmt.Errorf("look up stream %s: %w", want.Name, err)
+			return false, fenced, fmt.Errorf("look up stream %s: %w", want.Name, err)
 		}
 		have := st.CachedInfo().Config
 		if err := compatible(have, want, cfg.NATS.MaxPayload()); err != nil {
-			return false, fmt.Errorf("%w: stream %s exists with %w; change it or set another stream name", ErrSetup, want.Name, err)
+			return false, fenced, fmt.Errorf("%w: stream %s exists with %w; change it or set another stream name", ErrSetup, want.Name, err)
 		}
 		if diff := otherLimits(have, want); diff != "" {
 			cfg.Logger.Warn("stream exists with other limits than configured; the relay keeps them (change them with `nats stream edit`)",
@@ -201,9 +203,52 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (ba
 			have.AllowBatchPublish = true
 			info, err := js.UpdateStream(ctx, have)
 			batched = err == nil && info.CachedInfo().Config.AllowBatchPublish
+			if err == nil {
+				have = info.CachedInfo().Config
+			}
 		}
+		fenced[lane] = fenceStream(ctx, js, cfg, have, want, serverFences)
 	}
-	return batched, nil
+	return batched, fenced, nil
+}
+
+// fenceStream returns whether the stream have takes the session fence (see fence.go), adding
+// the fence subjects (and Nats-Rollup, which keeps one fence message per slot) to a stream
+// created before them. A stream the relay cannot fence is published to as before, with a
+// warning that says why.
+func fenceStream(ctx context.Context, js jetstream.JetStream, cfg *Config, have, want jetstream.StreamConfig, serverFences bool) fenceState {
+	log := cfg.Logger
+	switch {
+	case !serverFences:
+		log.Warn("the NATS server is older than 2.11: the relay cannot fence its streams, and a paused relay's late "+
+			"publishes may be stored again after a takeover, beyond the duplicate window", "stream", have.Name,
+			"server_version", cfg.NATS.ConnectedServerVersion())
+		return fenceState{}
+	}
+	filter := want.Subjects[1]
+	if !slices.Contains(have.Subjects, filter) || !have.AllowRollup && !have.DenyPurge || !have.AllowAtomicPublish {
+		upd := have
+		if !slices.Contains(upd.Subjects, filter) {
+			upd.Subjects = append(slices.Clone(upd.Subjects), filter)
+		}
+		upd.AllowRollup = !upd.DenyPurge
+		// For atomic publishing (atomic.go), which a replicated stream needs; a server older
+		// than 2.12 leaves it off.
+		upd.AllowAtomicPublish = true
+		info, err := js.UpdateStream(ctx, upd)
+		if err != nil {
+			log.Warn("could not add the fence subjects to the stream: its late publishes are not fenced", "stream", have.Name,
+				"subject", filter, "error", err)
+			return fenceState{}
+		}
+		have = info.CachedInfo().Config
+	}
+	st := fenceState{on: slices.Contains(have.Subjects, filter), rollup: have.AllowRollup,
+		replicated: have.Replicas > 1, atomic: have.AllowAtomicPublish}
+	if have.Discard == jetstream.DiscardOld { // it drops its oldest messages: the fence too, in time
+		st.maxMsgs, st.maxBytes, st.maxAge = max(0, have.MaxMsgs), max(0, have.MaxBytes), have.MaxAge
+	}
+	return st
 }
 
 // wantStreams returns the configuration of the turns, outcomes and dead-letter streams.
@@ -213,16 +258,18 @@ func wantStreams(cfg *Config) []jetstream.StreamConfig {
 		return jetstream.StreamConfig{
 			Name:        name,
 			Description: desc,
-			Subjects:    []string{wire.StreamFilter(cfg.SubjectPrefix, kind)},
-			Storage:     jetstream.FileStorage,
-			Retention:   jetstream.LimitsPolicy,
-			Discard:     jetstream.DiscardOld,
-			Duplicates:  s.Duplicates,
-			MaxBytes:    s.MaxBytes,
-			MaxMsgs:     s.MaxMsgs,
-			Replicas:    s.Replicas,
+			// Events, then the relay's fences (see fence.go): compatible and fenceStream rely on the order.
+			Subjects:   []string{wire.StreamFilter(cfg.SubjectPrefix, kind), wire.FenceFilter(cfg.SubjectPrefix, kind)},
+			Storage:    jetstream.FileStorage,
+			Retention:  jetstream.LimitsPolicy,
+			Discard:    jetstream.DiscardOld,
+			Duplicates: s.Duplicates,
+			MaxBytes:   s.MaxBytes,
+			MaxMsgs:    s.MaxMsgs,
+			Replicas:   s.Replicas,
 			// Stays false on a server that does not know it; checked in ensureStreams.
 			AllowBatchPublish: !cfg.ClassicPublish,
+			AllowRollup:       true, // for the fence (see fence.go)
 		}
 	}
 	// Turn events leave the stream when the workers acknowledge them, never by age, and a
@@ -417,4 +464,32 @@ func retryIn(ctx context.Context, d time.Duration) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// publishAtomic decides whether the relay publishes in atomic batches (atomic.go): when a
+// fenced stream is replicated, since its events cannot each carry the fence. Every fenced stream
+// is then published to that way; one that takes no atomic batches (a server older than 2.12)
+// goes unfenced, with a warning.
+func publishAtomic(fenced *[laneCount]fenceState, log *slog.Logger) bool {
+	atomic := false
+	for _, st := range fenced {
+		atomic = atomic || st.on && st.replicated
+	}
+	if !atomic {
+		return false
+	}
+	for lane := range fenced {
+		if st := &fenced[lane]; st.on && !st.atomic {
+			log.Warn("a replicated stream is fenced with atomic batches, which this stream does not take (nats-server 2.12 or later): "+
+				"it is not fenced, and a paused relay's late publishes may be stored again after a takeover, beyond the duplicate window",
+				"lane", laneKinds[lane])
+			*st = fenceState{}
+		}
+	}
+	for _, st := range fenced {
+		if st.on && st.replicated {
+			return true
+		}
+	}
+	return false
 }

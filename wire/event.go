@@ -33,6 +33,12 @@ const (
 	// HeaderOutboxIDsOmitted is, on an outcome answering more than MaxHeaderOutboxIDs outbox
 	// rows, the count of answered ids left out of HeaderOutboxID (which lists the first ones).
 	HeaderOutboxIDsOmitted = "Baton-Outbox-Ids-Omitted"
+	// HeaderCommitLSN is, on a turn event, an outcome and a dead-letter record relayed from the
+	// replication stream, the commit LSN of the Postgres transaction it comes from, as Postgres
+	// prints an LSN ("0/16B3748"). A conversation's events carry non-decreasing values. The
+	// relay reads it back after a takeover to learn what an earlier session stored (see the
+	// relay package). Events of the first-start backfill, which come from a snapshot, carry none.
+	HeaderCommitLSN = "Baton-Commit-Lsn"
 )
 
 // Caps on the answered outbox ids an outcome carries, so that an outcome answering any number

@@ -19,6 +19,9 @@ const (
 	// <prefix>.deadletter.<what>, where <what> names the kind of change set aside
 	// (answers, turn, outcome). They carry no conversation id: ParseSubject rejects them.
 	KindDeadLetter = "deadletter"
+	// KindFence is the second token of the relay's fence subjects (see FenceSubject), which
+	// each stream holds beside its events and no consumer of events reads.
+	KindFence = "fence"
 )
 
 // MaxConversationIDLen is the maximum length of a conversation id, in bytes.
@@ -206,6 +209,24 @@ func ParseSubject(prefix, subject string) (kind string, conversationID string, e
 		return "", "", fmt.Errorf("subject %q: %w: %w", subject, ErrInvalidSubject, err)
 	}
 	return kind, id, nil
+}
+
+// FenceSubject returns the subject of the relay's fence for one slot in the stream of kind:
+// <prefix>.fence.<kind>.<slot>. Each relay session writes one message there when it takes the
+// slot (replacing the previous session's with a Nats-Rollup), and every event it publishes to
+// that stream carries Nats-Expected-Last-Subject-Sequence naming it: once a newer session
+// wrote its fence, JetStream refuses whatever an older session still sends. Fence subjects lie
+// outside StreamFilter(prefix, kind), so no consumer of events receives them; the relay's NATS
+// user needs publish rights on <prefix>.fence.>. slot is a replication slot name (lowercase
+// letters, digits, underscores), which is a valid subject token.
+func FenceSubject(prefix, kind, slot string) string {
+	return prefix + "." + KindFence + "." + kind + "." + slot
+}
+
+// FenceFilter returns the filter matching every fence subject of kind under prefix:
+// <prefix>.fence.<kind>.>, one of the subjects of that kind's stream.
+func FenceFilter(prefix, kind string) string {
+	return prefix + "." + KindFence + "." + kind + ".>"
 }
 
 // StreamFilter returns the subject filter matching every subject of kind

@@ -612,20 +612,18 @@ func TestRolesRelay(t *testing.T) {
 
 	js, err := jetstream.New(nc)
 	require.NoError(t, err)
-	count := func(stream string) uint64 {
-		s, err := js.Stream(ctx, stream)
+	count := func(kind string) uint64 {
+		s, err := js.Stream(ctx, wire.StreamName(prefix, kind))
 		if err != nil {
 			return 0
 		}
-		info, err := s.Info(ctx)
+		n, err := wire.StreamEvents(ctx, s, prefix, kind)
 		if err != nil {
 			return 0
 		}
-		return info.State.Msgs
+		return n
 	}
-	turns := wire.StreamName(prefix, wire.KindTurns)
-	outcomes := wire.StreamName(prefix, wire.KindOutcomes)
-	require.Eventually(t, func() bool { return count(turns) == 2 && count(outcomes) == 1 },
+	require.Eventually(t, func() bool { return count(wire.KindTurns) == 2 && count(wire.KindOutcomes) == 1 },
 		30*time.Second, 20*time.Millisecond, "turns and outcomes published by the relay role")
 
 	var backfilled int64

@@ -338,6 +338,9 @@ func (s *system) tryReadStream(name string) ([]*jetstream.RawStreamMsg, error) {
 		if err != nil {
 			return nil, fmt.Errorf("stream %s seq %d: %w", name, seq, err)
 		}
+		if wire.IsFenceSubject(m.Subject) {
+			continue // the relay's fence, not an event
+		}
 		out = append(out, m)
 	}
 	return out, nil

@@ -207,8 +207,12 @@ func (b *bundle) waitHandled(durable string) {
 		}
 		info := c.CachedInfo()
 		s, err := b.js.Stream(b.ctx(), "AGENT_OUTCOMES")
-		return err == nil && info.NumPending == 0 && info.NumAckPending == 0 &&
-			info.AckFloor.Stream == s.CachedInfo().State.LastSeq
+		if err != nil || info.NumPending != 0 || info.NumAckPending != 0 {
+			return false
+		}
+		// The stream's last outcome, not its last message: the relay's fence is one of those.
+		last, err := s.GetLastMsgForSubject(b.ctx(), "agent.outcomes.>")
+		return err == nil && info.AckFloor.Stream == last.Sequence
 	}, time.Minute, 20*time.Millisecond, "durable %s never acked the whole stream", durable)
 }
 

@@ -204,17 +204,19 @@ func (e *env) walsender(ctx context.Context, slot string) (int, error) {
 	return walsenderPID(ctx, e.pool, slot)
 }
 
-// streamMsgs returns how many messages stream holds.
+// streamMsgs returns how many events the turns stream name holds: its messages less the
+// relay's fence messages (wire.FenceSubject). The run's prefixes are one token
+// (e.names), so its fence subjects are *.fence.turns.<slot>.
 func (e *env) streamMsgs(ctx context.Context, name string) (int, error) {
 	s, err := e.js.Stream(ctx, name)
 	if err != nil {
 		return 0, fmt.Errorf("stream %s: %w", name, err)
 	}
-	info, err := s.Info(ctx)
+	n, err := wire.StreamEvents(ctx, s, "*", wire.KindTurns)
 	if err != nil {
 		return 0, fmt.Errorf("stream %s: %w", name, err)
 	}
-	return int(min(info.State.Msgs, math.MaxInt)), nil
+	return int(min(n, math.MaxInt)), nil
 }
 
 // deleteStreams deletes the streams of subject prefix prefix, or every stream of the run when

@@ -113,6 +113,9 @@ func deadLetters(ctx context.Context, js jetstream.JetStream, prefix string) (*u
 	if err != nil {
 		return nil, err.Error()
 	}
-	n := st.CachedInfo().State.Msgs // js.Stream read the info already
+	n, err := wire.StreamEvents(ctx, st, prefix, wire.KindDeadLetter) // not the relay's fences
+	if err != nil {
+		return nil, err.Error()
+	}
 	return &n, ""
 }

@@ -194,8 +194,8 @@ func StreamsUnreachable(url string, err error) Streams {
 func GatherStreams(ctx context.Context, js jetstream.JetStream, url string, opts Options) Streams {
 	opts.fill()
 	s := Streams{Checked: true, URL: url}
-	s.Turns = readStream(ctx, js, wire.StreamName(opts.SubjectPrefix, wire.KindTurns))
-	s.Outcomes = readStream(ctx, js, wire.StreamName(opts.SubjectPrefix, wire.KindOutcomes))
+	s.Turns = readStream(ctx, js, opts.SubjectPrefix, wire.KindTurns)
+	s.Outcomes = readStream(ctx, js, opts.SubjectPrefix, wire.KindOutcomes)
 	s.Consumer = readConsumer(ctx, js, s.Turns.Name, opts.Durable)
 	return s
 }
@@ -205,9 +205,12 @@ func GatherStreams(ctx context.Context, js jetstream.JetStream, url string, opts
 // never answered: it fails after this instead of taking the whole report's time.
 const StreamReadTimeout = 5 * time.Second
 
-func readStream(ctx context.Context, js jetstream.JetStream, name string) *Stream {
+// readStream reads the state of the stream of kind under prefix. Its message count is of
+// events: the relay's fence messages (wire.FenceSubject) are left out.
+func readStream(ctx context.Context, js jetstream.JetStream, prefix, kind string) *Stream {
 	ctx, cancel := context.WithTimeout(ctx, StreamReadTimeout)
 	defer cancel()
+	name := wire.StreamName(prefix, kind)
 	st := &Stream{Name: name}
 	stream, err := js.Stream(ctx, name)
 	switch {
@@ -220,6 +223,9 @@ func readStream(ctx context.Context, js jetstream.JetStream, name string) *Strea
 	st.Exists = true
 	state := stream.CachedInfo().State
 	st.Messages, st.Bytes = state.Msgs, state.Bytes
+	if n, err := wire.StreamEvents(ctx, stream, prefix, kind); err == nil {
+		st.Messages = n
+	}
 	st.FirstSeq, st.LastSeq, st.Consumers = state.FirstSeq, state.LastSeq, state.Consumers
 	st.Cluster = streamCluster(stream.CachedInfo())
 	if !state.LastTime.IsZero() && state.Msgs > 0 {

@@ -25,12 +25,16 @@ type Proxy struct {
 	wg     sync.WaitGroup
 	// latency is the delay of every forwarded chunk, in nanoseconds.
 	latency atomic.Int64
+	// fromClients counts the bytes read from clients, forwarded or held; toServers, those
+	// written to the servers.
+	fromClients, toServers atomic.Int64
 
 	mu     sync.Mutex
 	links  map[*link]struct{}
 	closed bool
-	// thaw is non-nil while the proxy is frozen, and closed by Unfreeze.
-	thaw chan struct{}
+	// thaw is non-nil while the proxy is frozen, and closed by Unfreeze; thawReplies likewise
+	// while only the server-to-client direction is (FreezeReplies).
+	thaw, thawReplies chan struct{}
 	// drop is non-nil while a DropNextResponse fault is armed, and closed when it fires.
 	drop chan struct{}
 }
@@ -125,15 +129,36 @@ func (p *Proxy) Freeze() {
 	}
 }
 
-// Unfreeze resumes forwarding after Freeze; what was held back is delivered.
+// FreezeReplies stops forwarding from the server to the client only, until Unfreeze: the
+// server gets what the client sends and does the work, and the client hears nothing back (its
+// PubAcks or query results held in the path).
+func (p *Proxy) FreezeReplies() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.thawReplies == nil {
+		p.thawReplies = make(chan struct{})
+	}
+}
+
+// Unfreeze resumes forwarding after Freeze or FreezeReplies; what was held back is delivered.
 func (p *Proxy) Unfreeze() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.thaw != nil {
-		close(p.thaw)
-		p.thaw = nil
+	for _, ch := range []*chan struct{}{&p.thaw, &p.thawReplies} {
+		if *ch != nil {
+			close(*ch)
+			*ch = nil
+		}
 	}
 }
+
+// FromClients returns how many bytes the proxy has read from its clients, forwarded or held
+// (while frozen): a client's writes reach it even when nothing reaches the server.
+func (p *Proxy) FromClients() int64 { return p.fromClients.Load() }
+
+// ToServers returns how many bytes the proxy has written to the servers: after Unfreeze, it
+// reaches FromClients once everything held was delivered.
+func (p *Proxy) ToServers() int64 { return p.toServers.Load() }
 
 // SetLatency delays every forwarded chunk by d (0: none), in both directions.
 func (p *Proxy) SetLatency(d time.Duration) { p.latency.Store(int64(d)) }
@@ -215,6 +240,9 @@ func (p *Proxy) pipe(l *link, dst, src net.Conn, fromServer bool) {
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
+		if n > 0 && !fromServer {
+			p.fromClients.Add(int64(n))
+		}
 		if n > 0 {
 			if fromServer {
 				if fired := p.takeDrop(); fired != nil {
@@ -223,11 +251,14 @@ func (p *Proxy) pipe(l *link, dst, src net.Conn, fromServer bool) {
 					return
 				}
 			}
-			if !p.hold(l) {
+			if !p.hold(l, fromServer) {
 				return
 			}
 			if _, err := dst.Write(buf[:n]); err != nil {
 				return
+			}
+			if !fromServer {
+				p.toServers.Add(int64(n))
 			}
 		}
 		if err != nil {
@@ -246,9 +277,10 @@ func (p *Proxy) takeDrop() chan struct{} {
 	return fired
 }
 
-// hold delays a chunk by the latency, then for as long as the proxy is frozen. It reports
-// false when the link closed or the proxy stopped meanwhile.
-func (p *Proxy) hold(l *link) bool {
+// hold delays a chunk by the latency, then for as long as the proxy is frozen (in the chunk's
+// direction: fromServer for the server's). It reports false when the link closed or the proxy
+// stopped meanwhile.
+func (p *Proxy) hold(l *link, fromServer bool) bool {
 	if d := time.Duration(p.latency.Load()); d > 0 {
 		timer := time.NewTimer(d)
 		defer timer.Stop()
@@ -263,6 +295,9 @@ func (p *Proxy) hold(l *link) bool {
 	for {
 		p.mu.Lock()
 		thaw := p.thaw
+		if thaw == nil && fromServer {
+			thaw = p.thawReplies
+		}
 		p.mu.Unlock()
 		if thaw == nil {
 			return true

@@ -1,0 +1,405 @@
+package relay_test
+
+import (
+	"context"
+	"fmt"
+	"net/url"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/relay"
+	"github.com/batonhq/baton/wire"
+)
+
+// barrierSubject is where fence tests publish through a relay's own connection after its path
+// healed: the server processes one client's messages to a stream in order, so the barrier's
+// PubAck comes after every late publish of that connection was stored or refused.
+const barrierSubject = "agent.turns.zz-barrier"
+
+// fenceWorld returns a bundle whose streams have replicas replicas: 1 on the bundle's server,
+// 3 on a 3-node cluster of the test's own. viaProxy is the server a proxied relay reaches.
+func fenceWorld(t *testing.T, replicas int) (b *bundle, viaProxy string) {
+	t.Helper()
+	b = setup(t)
+	if replicas == 1 {
+		return b, b.nats.URL()
+	}
+	c := testsvc.StartCluster(t, 3)
+	nc, err := nats.Connect(c.URLs(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	b.nc, b.js, b.cfg.NATS = nc, js, nc
+	b.cfg.Streams.Replicas = replicas
+	return b, c.Nodes[0].URL()
+}
+
+// replicaCases runs test once on an R1 stream and once on a 3-node R3 cluster.
+func replicaCases(t *testing.T, test func(t *testing.T, replicas int)) {
+	for _, replicas := range []int{1, 3} {
+		t.Run(fmt.Sprintf("R%d", replicas), func(t *testing.T) {
+			t.Parallel()
+			test(t, replicas)
+		})
+	}
+}
+
+// proxiedNATS returns a NATS connection to server through a proxy the test can freeze, with
+// nats.go's stale-connection pings out of the test's way.
+func proxiedNATS(t *testing.T, server string) (*testsvc.Proxy, *nats.Conn) {
+	t.Helper()
+	u, err := url.Parse(server)
+	require.NoError(t, err)
+	proxy := testsvc.StartProxy(t, u.Host)
+	// Through the proxy only: not to the other nodes of a cluster, which the server announces.
+	nc, err := nats.Connect("nats://"+proxy.Addr(), nats.MaxReconnects(-1), nats.PingInterval(time.Hour),
+		nats.FlusherTimeout(time.Hour), nats.IgnoreDiscoveredServers(), nats.ReconnectWait(100*time.Millisecond))
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	return proxy, nc
+}
+
+// Relay A's path to NATS freezes (bytes held, not refused) while it has publishes on the wire;
+// its session ends on the ack timeout and A stops. Relay B takes over and publishes the same
+// rows and newer ones. When the path heals after the duplicate window, A's held publishes
+// reach the server: a fence the server enforces must refuse them, or the turns stream holds
+// outbox ids twice, after newer events of their conversations.
+func TestLatePublishesOfAnOldSessionAreFenced(t *testing.T) {
+	t.Parallel()
+	replicaCases(t, latePublishesAreFenced)
+}
+
+func latePublishesAreFenced(t *testing.T, replicas int) {
+	b, server := fenceWorld(t, replicas)
+	ctx := ctxT(t, 3*time.Minute)
+	const window = time.Second
+	b.cfg.Streams.Duplicates = window
+	convs := conversationIDs(5)
+	createConversations(t, b.db.Pool, convs...)
+
+	proxy, ncA := proxiedNATS(t, server)
+	t.Cleanup(proxy.Unfreeze)
+	cfgA := b.cfg
+	cfgA.NATS = ncA
+	cfgA.DrainTimeout = 200 * time.Millisecond
+	ra, err := relay.New(cfgA)
+	require.NoError(t, err)
+	ctxA, stopA := context.WithCancel(ctx)
+	doneA := make(chan error, 1)
+	go func() { doneA <- ra.Run(ctxA) }()
+	t.Cleanup(stopA)
+	require.Eventually(t, ra.Active, time.Minute, 5*time.Millisecond, "relay A never became active")
+	_, err = send(ctx, b.db.Pool, convs[0], "warm")
+	require.NoError(t, err)
+	b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
+
+	proxy.Freeze()
+	for i := range 2 * len(convs) {
+		_, err := send(ctx, b.db.Pool, convs[i%len(convs)], "held-"+string(rune('a'+i)))
+		require.NoError(t, err)
+	}
+	// A publishes into the frozen path and its session ends on the ack timeout.
+	require.Eventually(t, func() bool { return !ra.Active() }, time.Minute, 5*time.Millisecond, "relay A's session never ended")
+	stopA()
+	select {
+	case err := <-doneA:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("relay A did not stop")
+	}
+
+	b.start(t)
+	want := truth(t, b.db.Pool)
+	b.waitStream(t, "AGENT_TURNS", len(want), time.Minute)
+	// The duplicate window is a server-side timer: nothing to await but time.
+	time.Sleep(2 * window)
+
+	proxy.Unfreeze()
+	require.NoError(t, ncA.FlushTimeout(30*time.Second), "A's healed connection")
+	jsA, err := jetstream.New(ncA)
+	require.NoError(t, err)
+	_, err = jsA.Publish(ctx, barrierSubject, []byte("barrier"))
+	require.NoError(t, err, "barrier through A's connection")
+
+	var events []got
+	for _, m := range b.readStream(t, "AGENT_TURNS") {
+		if m.subject != barrierSubject {
+			events = append(events, m)
+		}
+	}
+	assertExactlyOnceInOrder(t, events, want)
+}
+
+// startProxied runs a relay publishing through nc (a proxied connection) until stop is called
+// or the test ends, and waits until it streams.
+func (b *bundle) startProxied(t *testing.T, ctx context.Context, nc *nats.Conn) (r *relay.Relay, stop func()) {
+	t.Helper()
+	cfg := b.cfg
+	cfg.NATS = nc
+	cfg.DrainTimeout = 200 * time.Millisecond
+	r, err := relay.New(cfg)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	stopped := false
+	stop = func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		select {
+		case err := <-done:
+			require.NoError(t, err)
+		case <-time.After(30 * time.Second):
+			t.Fatal("relay did not stop")
+		}
+	}
+	t.Cleanup(stop)
+	require.Eventually(t, r.Active, time.Minute, 5*time.Millisecond, "relay never became active")
+	return r, stop
+}
+
+// Relay A's path to NATS loses the server's answers (held, not refused) while its publishes go
+// through: the streams store A's events and A never sees a PubAck, so the slot is not
+// confirmed past them. A stops; relay B starts after the duplicate window and replays from the
+// confirmed LSN. B must learn what A stored and not store it again, in either stream: the
+// duplicate window no longer removes the copies.
+func TestEventsStoredWithoutTheirPubAckAreNotStoredAgain(t *testing.T) {
+	t.Parallel()
+	replicaCases(t, storedWithoutPubAckNotStoredAgain)
+}
+
+func storedWithoutPubAckNotStoredAgain(t *testing.T, replicas int) {
+	b, server := fenceWorld(t, replicas)
+	ctx := ctxT(t, 3*time.Minute)
+	const window = time.Second
+	b.cfg.Streams.Duplicates = window
+	convs := conversationIDs(4)
+	createConversations(t, b.db.Pool, convs...)
+
+	proxy, ncA := proxiedNATS(t, server)
+	t.Cleanup(proxy.Unfreeze)
+	ra, stopA := b.startProxied(t, ctx, ncA)
+	_, err := send(ctx, b.db.Pool, convs[0], "warm")
+	require.NoError(t, err)
+	b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
+
+	proxy.FreezeReplies()
+	for i := range 3 * len(convs) {
+		_, err := send(ctx, b.db.Pool, convs[i%len(convs)], fmt.Sprintf("u%d", i))
+		require.NoError(t, err)
+	}
+	for i, c := range convs {
+		_, err := b.db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content) VALUES ($1, $2, 'assistant', 'hi')`,
+			fmt.Sprintf("r%d", i), c)
+		require.NoError(t, err)
+	}
+	want := truth(t, b.db.Pool)
+	// A sends no more to a subject (event by event) or a stream (an atomic batch) before it
+	// hears back: the streams get the first of what A sends, stored without an answer.
+	b.waitStream(t, "AGENT_TURNS", 2, time.Minute)
+	b.waitStream(t, "AGENT_OUTCOMES", 1, time.Minute)
+	require.Eventually(t, func() bool { return !ra.Active() }, time.Minute, 5*time.Millisecond, "relay A's session never ended")
+	stopA()
+	// The duplicate window is a server-side timer: nothing to await but time.
+	time.Sleep(2 * window)
+
+	b.start(t)
+	requireSlotCaughtUp(t, b)
+	assertExactlyOnceInOrder(t, b.readStream(t, "AGENT_TURNS"), want)
+	seen := map[string]int{}
+	for _, m := range b.readStream(t, "AGENT_OUTCOMES") {
+		seen[m.header.Get(wire.HeaderMessageID)]++
+	}
+	for i := range convs {
+		require.Equal(t, 1, seen[fmt.Sprintf("r%d", i)], "outcome r%d stored once: %v", i, seen)
+	}
+}
+
+// Relay A's connection to NATS breaks while it publishes, and nats.go keeps what A sends in
+// its reconnect buffer while it cannot reconnect (the path is frozen). A stops; relay B takes
+// over and publishes. When A's connection comes back after the duplicate window, nats.go sends
+// the buffer: the fence must refuse it.
+func TestReconnectBufferOfAnOldSessionIsFenced(t *testing.T) {
+	t.Parallel()
+	replicaCases(t, reconnectBufferIsFenced)
+}
+
+func reconnectBufferIsFenced(t *testing.T, replicas int) {
+	b, server := fenceWorld(t, replicas)
+	ctx := ctxT(t, 3*time.Minute)
+	const window = time.Second
+	b.cfg.Streams.Duplicates = window
+	convs := conversationIDs(5)
+	createConversations(t, b.db.Pool, convs...)
+
+	proxy, ncA := proxiedNATS(t, server)
+	t.Cleanup(proxy.Unfreeze)
+	reconnected := make(chan struct{}, 1)
+	ncA.SetReconnectHandler(func(*nats.Conn) { signal(reconnected) })
+	ra, stopA := b.startProxied(t, ctx, ncA)
+	_, err := send(ctx, b.db.Pool, convs[0], "warm")
+	require.NoError(t, err)
+	b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
+
+	proxy.Freeze()
+	proxy.ResetAll()
+	for i := range 2 * len(convs) {
+		_, err := send(ctx, b.db.Pool, convs[i%len(convs)], fmt.Sprintf("buffered-%d", i))
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool { return !ra.Active() }, time.Minute, 5*time.Millisecond, "relay A's session never ended")
+	buffered, err := ncA.Buffered()
+	require.NoError(t, err)
+	require.Positive(t, buffered, "nothing in A's reconnect buffer")
+	stopA()
+
+	b.start(t)
+	want := truth(t, b.db.Pool)
+	b.waitStream(t, "AGENT_TURNS", len(want), time.Minute)
+	// The duplicate window is a server-side timer: nothing to await but time.
+	time.Sleep(2 * window)
+
+	proxy.Unfreeze()
+	select {
+	case <-reconnected:
+	case <-time.After(time.Minute):
+		t.Fatal("A's connection never came back")
+	}
+	jsA, err := jetstream.New(ncA)
+	require.NoError(t, err)
+	_, err = jsA.Publish(ctx, barrierSubject, []byte("barrier"))
+	require.NoError(t, err, "barrier through A's connection")
+
+	var events []got
+	for _, m := range b.readStream(t, "AGENT_TURNS") {
+		if m.subject != barrierSubject {
+			events = append(events, m)
+		}
+	}
+	assertExactlyOnceInOrder(t, events, want)
+}
+
+// signal sends on ch (cap 1) without blocking.
+func signal(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
+}
+
+// On a replicated stream the relay publishes atomic batches, which JetStream refuses whole when
+// one of their Nats-Msg-Ids is in the stream already. Anyone with publish rights can store a
+// message with an event's Nats-Msg-Id first: the relay must not stall on it, but publish that
+// batch's events one at a time, the copy dropped as a duplicate, and go on in batches.
+func TestAtomicBatchWithAForeignDuplicateGoesOneByOne(t *testing.T) {
+	t.Parallel()
+	b, _ := fenceWorld(t, 3)
+	ctx := ctxT(t, 3*time.Minute)
+	reg := prometheus.NewRegistry()
+	b.cfg.Registerer = reg
+	createConversations(t, b.db.Pool, "a", "b")
+	b.startActive(t)
+	first, err := send(ctx, b.db.Pool, "a", "warm")
+	require.NoError(t, err)
+	b.waitStream(t, "AGENT_TURNS", 1, time.Minute)
+
+	// The next outbox ids are first+1…: a foreign message takes the Nats-Msg-Id of the third.
+	forged := first + 3
+	subj, err := wire.TurnSubject("agent", "b")
+	require.NoError(t, err)
+	m := nats.NewMsg(subj)
+	m.Header.Set(nats.MsgIdHdr, fmt.Sprintf("turn:%d", forged))
+	m.Header.Set("Forged", "yes")
+	_, err = b.js.PublishMsg(ctx, m)
+	require.NoError(t, err)
+
+	tx, err := b.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	for i := range 6 {
+		_, err := send(ctx, tx, []string{"a", "b"}[i%2], fmt.Sprintf("m%d", i))
+		require.NoError(t, err)
+	}
+	require.NoError(t, tx.Commit(ctx))
+	more, err := send(ctx, b.db.Pool, "a", "after")
+	require.NoError(t, err)
+	requireSlotCaughtUp(t, b)
+
+	want := truth(t, b.db.Pool)
+	delete(want, forged) // its place is taken by the foreign copy
+	var events []got
+	for _, g := range b.readStream(t, "AGENT_TURNS") {
+		if g.header.Get("Forged") == "" {
+			events = append(events, g)
+		}
+	}
+	assertExactlyOnceInOrder(t, events, want)
+	require.Contains(t, want, more)
+	require.Zero(t, counter(t, reg, "baton_relay_reconnects_total", ""), "the relay went on in the same session")
+}
+
+// Relay A runs as a process, its path to NATS frozen while it has publishes in flight, and
+// then SIGSTOPped: standby B (a process) takes over once A's walsender timed out, and publishes
+// those rows. The path heals and A resumes after the duplicate window: its held publishes reach
+// the server, which must refuse them (A then logs that it was fenced out).
+func TestPausedRelayProcessIsFencedOut(t *testing.T) {
+	t.Parallel()
+	replicaCases(t, pausedProcessIsFencedOut)
+}
+
+func pausedProcessIsFencedOut(t *testing.T, replicas int) {
+	b, server := fenceWorld(t, replicas)
+	ctx := ctxT(t, 3*time.Minute)
+	const window = time.Second
+	setWalSenderTimeout(t, b, 3*time.Second)
+	convs := conversationIDs(5)
+	createConversations(t, b.db.Pool, convs...)
+	u, err := url.Parse(server)
+	require.NoError(t, err)
+	proxy := testsvc.StartProxy(t, u.Host)
+	t.Cleanup(proxy.Unfreeze)
+	args := []string{"--stream-duplicates", window.String(), "--stream-replicas", fmt.Sprint(replicas), "--stale-lock-after", "2s"}
+	a := b.startAdvProcess(t, b.db.URL, "nats://"+proxy.Addr(), args...)
+	require.Eventually(t, func() bool { return a.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay A never streamed")
+	standby := b.startAdvProcess(t, b.db.URL, b.nc.ConnectedUrl(), args...)
+	require.Eventually(t, func() bool { return standby.logged("standing by") }, time.Minute, 20*time.Millisecond, "relay B never stood by")
+	_, err = send(ctx, b.db.Pool, convs[0], "warm")
+	require.NoError(t, err)
+	b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
+
+	proxy.Freeze()
+	before := proxy.FromClients()
+	for i := range 2 * len(convs) {
+		_, err := send(ctx, b.db.Pool, convs[i%len(convs)], fmt.Sprintf("held-%d", i))
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool { return proxy.FromClients() > before }, 30*time.Second, 5*time.Millisecond,
+		"relay A never published into the frozen path")
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGSTOP))
+
+	want := truth(t, b.db.Pool)
+	b.waitStream(t, "AGENT_TURNS", len(want), time.Minute)
+	require.True(t, standby.logged("msg=streaming"), "B published without taking over?")
+	// The duplicate window is a server-side timer: nothing to await but time.
+	time.Sleep(2 * window)
+
+	held := proxy.FromClients()
+	proxy.Unfreeze()
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGCONT))
+	require.Eventually(t, func() bool { return proxy.ToServers() >= held }, 30*time.Second, 5*time.Millisecond,
+		"the proxy never delivered what it held")
+	// The server stores or refuses them within moments: none may become a second copy.
+	require.Never(t, func() bool { return len(b.readStream(t, "AGENT_TURNS")) > len(want) }, 2*time.Second, 100*time.Millisecond,
+		"relay A's late publishes were stored")
+	assertExactlyOnceInOrder(t, b.readStream(t, "AGENT_TURNS"), want)
+}

@@ -1,0 +1,36 @@
+package wire
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// IsFenceSubject reports whether subject is one of the relay's fence subjects,
+// <prefix>.fence.<kind>.<slot> (FenceSubject): a stream's message on such a subject is the
+// relay's fence, not an event.
+func IsFenceSubject(subject string) bool {
+	parts := strings.Split(subject, ".")
+	return len(parts) >= 4 && parts[len(parts)-3] == KindFence
+}
+
+// StreamEvents returns how many events st holds: its messages less the relay's fence messages
+// (one per relay slot, on FenceFilter(prefix, kind)), which a stream of kind holds beside its
+// events. It asks the server twice (the stream's state, then its fence subjects').
+func StreamEvents(ctx context.Context, st jetstream.Stream, prefix, kind string) (uint64, error) {
+	info, err := st.Info(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("stream info: %w", err)
+	}
+	fences, err := st.Info(ctx, jetstream.WithSubjectFilter(FenceFilter(prefix, kind)))
+	if err != nil {
+		return 0, fmt.Errorf("stream info of the fence subjects: %w", err)
+	}
+	var n uint64
+	for _, c := range fences.State.Subjects {
+		n += c
+	}
+	return info.State.Msgs - min(n, info.State.Msgs), nil
+}
