@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -90,8 +91,15 @@ type sessionFence struct {
 	subjects [laneCount]string
 	started  time.Time
 
+	// mu is held while the fence is raised: the sender of a pipeline that ended (a first
+	// start's backfill) may still be raising it when the next pipeline's sender starts.
+	mu     sync.Mutex
 	raised bool
-	lanes  [laneCount]laneFence
+	// unknown says a fence write ended without an answer (it may be stored): the session
+	// cannot raise its fence any more, and ends; the next one reads the fences again.
+	unknown bool
+	prev    chan prevFences // what read found (cap 1; put back when taken)
+	lanes   [laneCount]laneFence
 	// acked is, by lane, the highest stream sequence a PubAck reported this session.
 	acked [laneCount]atomic.Uint64
 }
@@ -113,6 +121,10 @@ func (r *Relay) newSessionFence() *sessionFence {
 
 // laneKinds are the wire kinds of the lanes' streams.
 var laneKinds = [laneCount]string{laneTurns: wire.KindTurns, laneOutcomes: wire.KindOutcomes, laneDeadLetter: wire.KindDeadLetter}
+
+// errFenceUnknown is the error of a session whose fence write got no answer: it may be stored,
+// and this session's compare-and-set would then fail; the next session reads the fence again.
+var errFenceUnknown = errors.New("a fence write of this session got no answer; the next session raises the fence again")
 
 // errFencedOut marks a publish the server refused because a newer session of this slot wrote
 // its fence (or the stream dropped the fence message by its limits before a refresh): the
@@ -173,36 +185,118 @@ type fenceBody struct {
 	Started time.Time `json:"session_started"`
 }
 
-// raise writes the session's fence in every stream that takes one, unless it did already. An
-// error ends the session: errFencedOut when another session wrote its fence meanwhile,
-// errNoResponders when a stream is gone (the streams are then checked again), and a full turns
-// stream's refusal as a streamFullError.
+// read starts reading, on a goroutine of its own, the sequence of every fenced stream's last
+// fence message: the session calls it before it takes the slot, so that a fence another
+// session writes after that makes this session's compare-and-set fail (a session paused
+// between taking the slot and writing its fence must not fence out the one that took over
+// meanwhile). It does not wait: a stalled NATS holds the goroutine, not the session, which
+// streams and reports to Postgres meanwhile. The goroutine ends within timeout (or when
+// nats.go gives up the write it waits behind); raise waits for it.
+func (f *sessionFence) read(timeout time.Duration) {
+	f.prev = make(chan prevFences, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		var res prevFences
+		var mu sync.Mutex
+		var wg sync.WaitGroup
+		for lane := range laneCount {
+			if !f.state[lane].on {
+				continue
+			}
+			wg.Go(func() {
+				seq, err := lastSeq(ctx, f.nc, f.streams[lane], f.subjects[lane])
+				mu.Lock()
+				defer mu.Unlock()
+				res.seq[lane] = seq
+				if err != nil && res.err == nil {
+					res.err = fmt.Errorf("read the fence %s of stream %s: %w", f.subjects[lane], f.streams[lane], err)
+				}
+			})
+		}
+		wg.Wait()
+		f.prev <- res
+	}()
+}
+
+// prevFences is what read found: by lane, the sequence of the last fence message (0: none).
+type prevFences struct {
+	seq [laneCount]uint64
+	err error
+}
+
+// lastSeq returns the stream sequence of stream's last message on subject, 0 when it has
+// none, with one request ($JS.API.STREAM.MSG.GET). A missing stream is errNoResponders.
+func lastSeq(ctx context.Context, nc *nats.Conn, stream, subject string) (uint64, error) {
+	req, err := json.Marshal(struct {
+		LastBySubject string `json:"last_by_subj"`
+	}{subject})
+	if err != nil {
+		return 0, err
+	}
+	m, err := nc.RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+stream, req)
+	if err != nil {
+		return 0, goneAsNoResponders(err)
+	}
+	var resp struct {
+		Message *struct {
+			Seq uint64 `json:"seq"`
+		} `json:"message"`
+		Error *jetstream.APIError `json:"error"`
+	}
+	if err := json.Unmarshal(m.Data, &resp); err != nil {
+		return 0, fmt.Errorf("%w: %q", errInvalidPubAck, m.Data)
+	}
+	switch {
+	case resp.Error != nil && resp.Error.ErrorCode == jetstream.JSErrCodeMessageNotFound:
+		return 0, nil
+	case resp.Error != nil && resp.Error.ErrorCode == jetstream.JSErrCodeStreamNotFound:
+		return 0, fmt.Errorf("%w: %w", errNoResponders, resp.Error)
+	case resp.Error != nil:
+		return 0, resp.Error
+	case resp.Message == nil:
+		return 0, fmt.Errorf("%w: no message in %q", errInvalidPubAck, m.Data)
+	}
+	return resp.Message.Seq, nil
+}
+
+// raise writes the session's fence in every stream that takes one, at once, unless it did
+// already: a compare-and-set from what read found. An error ends the session: errFencedOut
+// when another session wrote its fence meanwhile, errNoResponders when a stream is gone (the
+// streams are then checked again), and a full turns stream's refusal as a streamFullError.
 func (f *sessionFence) raise(ctx context.Context) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	if f.raised {
 		return nil
+	}
+	if f.unknown {
+		return errFenceUnknown
+	}
+	var prev prevFences
+	select {
+	case prev = <-f.prev:
+		f.prev <- prev // for a later pipeline of the session, should this one fail first
+	case <-ctx.Done():
+		return fmt.Errorf("read the stream fences: %w", ctx.Err())
+	}
+	if prev.err != nil {
+		return prev.err
 	}
 	js, err := jetstream.New(f.nc)
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
 	}
+	var errs [laneCount]error
+	var wg sync.WaitGroup
 	for lane := range laneCount {
-		if !f.state[lane].on {
-			continue
+		if f.state[lane].on {
+			wg.Go(func() { errs[lane] = f.write(ctx, js, lane, prev.seq[lane]) })
 		}
-		st, err := js.Stream(ctx, f.streams[lane])
-		if err != nil {
-			return fmt.Errorf("raise the fence of stream %s: %w", f.streams[lane], goneAsNoResponders(err))
-		}
-		var prev uint64
-		switch m, err := st.GetLastMsgForSubject(ctx, f.subjects[lane]); {
-		case err == nil:
-			prev = m.Sequence
-		case !errors.Is(err, jetstream.ErrMsgNotFound):
-			return fmt.Errorf("read the fence %s of stream %s: %w", f.subjects[lane], f.streams[lane], goneAsNoResponders(err))
-		}
-		if err := f.write(ctx, js, lane, prev); err != nil {
-			return err
-		}
+	}
+	wg.Wait()
+	if err := errors.Join(errs[:]...); err != nil {
+		return err
 	}
 	f.raised = true
 	return nil
@@ -231,6 +325,10 @@ func (f *sessionFence) write(ctx context.Context, js jetstream.JetStream, lane i
 		ack, err = js.PublishMsg(ctx, msg)
 	}
 	if err != nil {
+		var api *jetstream.APIError
+		if !errors.As(err, &api) {
+			f.unknown = true
+		}
 		err = asFencedOut(asStreamFull(goneAsNoResponders(err), lane, f.streams[lane], msg))
 		return fmt.Errorf("write the fence %s of stream %s: %w", f.subjects[lane], f.streams[lane], err)
 	}
@@ -276,6 +374,11 @@ func (f *sessionFence) refreshDue(lane int, now time.Time) bool {
 
 // refresh writes the fence of lane again, from the session's own.
 func (f *sessionFence) refresh(ctx context.Context, lane int) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.unknown {
+		return errFenceUnknown
+	}
 	js, err := jetstream.New(f.nc)
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)

@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/url"
 	"syscall"
@@ -50,6 +51,19 @@ func replicaCases(t *testing.T, test func(t *testing.T, replicas int)) {
 			test(t, replicas)
 		})
 	}
+}
+
+// publishBarrier publishes to barrierSubject through nc and waits for the PubAck. A cluster
+// node just reconnected to may not know the stream's interest yet: no responders is retried.
+func publishBarrier(ctx context.Context, t *testing.T, nc *nats.Conn) {
+	t.Helper()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		_, err = js.Publish(ctx, barrierSubject, []byte("barrier"))
+		return !errors.Is(err, nats.ErrNoResponders) && !errors.Is(err, jetstream.ErrNoStreamResponse)
+	}, 30*time.Second, 50*time.Millisecond, "the barrier found no stream")
+	require.NoError(t, err, "barrier through the old relay's connection")
 }
 
 // proxiedNATS returns a NATS connection to server through a proxy the test can freeze, with
@@ -124,10 +138,7 @@ func latePublishesAreFenced(t *testing.T, replicas int) {
 
 	proxy.Unfreeze()
 	require.NoError(t, ncA.FlushTimeout(30*time.Second), "A's healed connection")
-	jsA, err := jetstream.New(ncA)
-	require.NoError(t, err)
-	_, err = jsA.Publish(ctx, barrierSubject, []byte("barrier"))
-	require.NoError(t, err, "barrier through A's connection")
+	publishBarrier(ctx, t, ncA)
 
 	var events []got
 	for _, m := range b.readStream(t, "AGENT_TURNS") {
@@ -276,10 +287,7 @@ func reconnectBufferIsFenced(t *testing.T, replicas int) {
 	case <-time.After(time.Minute):
 		t.Fatal("A's connection never came back")
 	}
-	jsA, err := jetstream.New(ncA)
-	require.NoError(t, err)
-	_, err = jsA.Publish(ctx, barrierSubject, []byte("barrier"))
-	require.NoError(t, err, "barrier through A's connection")
+	publishBarrier(ctx, t, ncA)
 
 	var events []got
 	for _, m := range b.readStream(t, "AGENT_TURNS") {

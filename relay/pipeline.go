@@ -334,14 +334,14 @@ func (p *pipeline) openSend() (stop func(), ok bool) {
 	return stop, true
 }
 
-// fenceCtx returns a context for a fence write, which ends when the pipeline fails or stops,
-// or after AckTimeout.
+// fenceCtx returns a context for a fence write, which ends when the pipeline fails, or after
+// AckTimeout. A pipeline that ended normally (a backfill) lets its write finish: one cut short
+// leaves the session unable to raise its fence (sessionFence.unknown).
 func (p *pipeline) fenceCtx() (context.Context, context.CancelFunc) {
 	ctx, cancel := context.WithTimeout(context.Background(), p.ackTimeout)
 	go func() { // ends with ctx: cancel is called by the caller when done
 		select {
 		case <-p.failed:
-		case <-p.done:
 		case <-ctx.Done():
 		}
 		cancel()

@@ -278,6 +278,9 @@ func (r *Relay) session(ctx context.Context) error {
 	// Raised by the sender of the session's first pipeline, before it publishes anything: from
 	// then on, what an older session of this slot still sends to a fenced stream is refused.
 	r.fence = r.newSessionFence()
+	if r.fence != nil {
+		r.fence.read(cfg.SetupTimeout) // before the slot is taken: see sessionFence.read
+	}
 
 	replCfg := connCfg.Config.Copy()
 	replCfg.RuntimeParams["replication"] = "database"

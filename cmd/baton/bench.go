@@ -106,7 +106,7 @@ func runBenchRelay(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.StringVar(&o.profile, "profile", "", "write a CPU profile of the relay's catch-up to this `dir`ectory (relay-catchup.pprof)")
 	fs.IntVar(&o.shards, "shards", 0, "also run `N` shard relays at once in the catch-ups (2…16; 0: none)")
 	fs.StringVar(&o.binary, "baton-binary", "", "the baton `program` whose relay (and plain relay) is measured (default: this program)")
-	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL)
+	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL, config.EnvStreamReplicas)
 	if err != nil {
 		return err
 	}
@@ -142,6 +142,7 @@ func runBenchRelay(ctx context.Context, args []string, stdout, stderr io.Writer)
 		Parts:             parts,
 		ProfileDir:        o.profile,
 		Shards:            o.shards,
+		StreamReplicas:    cfg.Streams().Replicas,
 		Progress:          stderr,
 		ProgressTTY:       isTerminal(stderr),
 		Logger:            log,
@@ -234,7 +235,7 @@ func runBenchPlainRelay(ctx context.Context, args []string, stderr io.Writer) er
 		return err
 	}
 	return bench.RunPlainRelay(ctx, bench.PlainRelayConfig{DatabaseURL: cfg.DatabaseURL, NATS: cfg.NATS(),
-		Slot: cfg.Slot, SubjectPrefix: cfg.SubjectPrefix, Logger: log})
+		Slot: cfg.Slot, SubjectPrefix: cfg.SubjectPrefix, Replicas: cfg.Streams().Replicas, Logger: log})
 }
 
 func joinInts(xs []int) string {

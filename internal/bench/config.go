@@ -129,6 +129,11 @@ type Config struct {
 	// the shard publications), reported as their aggregate rate next to one relay's and as the
 	// ratio of the two. Needs PartCatchUp. Default 0: none.
 	Shards int
+	// StreamReplicas is the replica count of the streams of the relays it runs (baton relay's
+	// and the plain relay's): 3 measures them on a JetStream cluster (BATON_NATS_URL), where
+	// the relay publishes in fenced atomic batches. The ceilings stay on one replica. Default
+	// 1.
+	StreamReplicas int
 	// Logger receives warnings about cleaning up. Default: discard.
 	Logger *slog.Logger
 }

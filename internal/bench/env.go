@@ -251,6 +251,9 @@ func (e *env) deleteStreams(ctx context.Context, prefix string) error {
 // database and NATS server (with its login and TLS settings), logs in text at info (the
 // bench reads "streaming").
 func (e *env) childEnvFor(slot, prefix string, extra ...string) []string {
+	if e.cfg.StreamReplicas > 1 {
+		extra = append(extra, "BATON_STREAM_REPLICAS="+strconv.Itoa(e.cfg.StreamReplicas))
+	}
 	return append(append(e.cfg.NATS.Environ(),
 		"BATON_DATABASE_URL="+e.dbURL,
 		"BATON_SLOT="+slot,

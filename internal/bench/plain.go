@@ -36,6 +36,8 @@ type PlainRelayConfig struct {
 	SubjectPrefix string
 	// Window is how many events may wait for their PubAck. Default PlainWindow.
 	Window int
+	// Replicas is the replica count of the stream it creates. Default 1.
+	Replicas int
 	// Logger receives "streaming" once replication started. Default: discard.
 	Logger *slog.Logger
 }
@@ -63,7 +65,7 @@ func RunPlainRelay(ctx context.Context, cfg PlainRelayConfig) error {
 		return fmt.Errorf("plain relay: %w", err)
 	}
 	defer nc.Close()
-	pr, err := newPlainRelay(ctx, nc, cfg.SubjectPrefix, cfg.Window)
+	pr, err := newPlainRelay(ctx, nc, cfg.SubjectPrefix, cfg.Window, cfg.Replicas)
 	if err != nil {
 		return err
 	}
@@ -113,10 +115,11 @@ type commitMark struct {
 }
 
 // newPlainRelay creates the turns stream of prefix (as the relay creates its own: file
-// storage, a 2 minute duplicate window) and a publisher with window in flight.
-func newPlainRelay(ctx context.Context, nc *nats.Conn, prefix string, window int) (*plainRelay, error) {
+// storage, a 2 minute duplicate window, replicas replicas) and a publisher with window in
+// flight.
+func newPlainRelay(ctx context.Context, nc *nats.Conn, prefix string, window, replicas int) (*plainRelay, error) {
 	pr := &plainRelay{prefix: prefix, cols: map[*pglogrepl.RelationMessage][6]int{}}
-	if err := createTurnStream(ctx, nc, prefix); err != nil {
+	if err := createTurnStream(ctx, nc, prefix, replicas); err != nil {
 		return nil, err
 	}
 	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(window),
@@ -130,7 +133,7 @@ func newPlainRelay(ctx context.Context, nc *nats.Conn, prefix string, window int
 }
 
 // createTurnStream creates the turns stream of prefix as the relay would, when missing.
-func createTurnStream(ctx context.Context, nc *nats.Conn, prefix string) error {
+func createTurnStream(ctx context.Context, nc *nats.Conn, prefix string, replicas int) error {
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
@@ -139,7 +142,7 @@ func createTurnStream(ctx context.Context, nc *nats.Conn, prefix string) error {
 	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
 		Name: name, Subjects: []string{wire.StreamFilter(prefix, wire.KindTurns)},
 		Storage: jetstream.FileStorage, Retention: jetstream.LimitsPolicy, Discard: jetstream.DiscardOld,
-		Duplicates: 2 * time.Minute, MaxMsgs: -1, MaxBytes: -1,
+		Duplicates: 2 * time.Minute, MaxMsgs: -1, MaxBytes: -1, Replicas: max(1, replicas),
 	}); err != nil {
 		return fmt.Errorf("create stream %s: %w", name, err)
 	}

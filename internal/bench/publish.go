@@ -42,7 +42,7 @@ func turnLikeMsg(prefix string, id int64, conv string, at time.Time) (*nats.Msg,
 func publishCeiling(ctx context.Context, e *env, prefix string, n, convs int) (time.Duration, error) {
 	ctx, cancel := context.WithTimeout(ctx, runTimeout(n))
 	defer cancel()
-	if err := createTurnStream(ctx, e.nc, prefix); err != nil {
+	if err := createTurnStream(ctx, e.nc, prefix, 1); err != nil { // the ceiling: one replica
 		return 0, err
 	}
 	var failed atomic.Int64
