@@ -108,12 +108,12 @@ type sessionFence struct {
 func (r *Relay) newSessionFence() *sessionFence {
 	f := &sessionFence{nc: r.cfg.NATS, m: r.m, log: r.cfg.Logger, slot: r.cfg.Slot, state: r.fenced, started: time.Now().UTC(),
 		streams: [laneCount]string{laneTurns: r.cfg.TurnsStream, laneOutcomes: r.cfg.OutcomesStream, laneDeadLetter: r.cfg.DeadLetterStream}}
-	any := false
+	fenced := false
 	for lane, kind := range laneKinds {
 		f.subjects[lane] = wire.FenceSubject(r.cfg.SubjectPrefix, kind, r.cfg.Slot)
-		any = any || f.state[lane].on
+		fenced = fenced || f.state[lane].on
 	}
-	if !any {
+	if !fenced {
 		return nil
 	}
 	return f
@@ -363,7 +363,7 @@ func (f *sessionFence) refreshDue(lane int, now time.Time) bool {
 	if acked <= lf.seq {
 		return false
 	}
-	after := int64(min(acked-lf.seq, 1<<62)) //nolint:gosec // G115: bounded just above
+	after := int64(min(acked-lf.seq, 1<<62))
 	if st.maxMsgs > 0 && after >= max(1, st.maxMsgs/2) {
 		return true
 	}
