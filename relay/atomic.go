@@ -55,6 +55,7 @@ const (
 const (
 	atomicDuplicate jetstream.ErrorCode = 10201
 	atomicTooLarge  jetstream.ErrorCode = 10199
+	atomicDisabled  jetstream.ErrorCode = 10174 // the stream takes no atomic batches (any more)
 )
 
 // atomicLane is the state of one stream's atomic publishing. It is guarded by the pipeline's mu.
@@ -71,6 +72,15 @@ type atomicLane struct {
 
 // busy reports whether the lane waits for an answer or has events to send one at a time.
 func (l *atomicLane) busy() bool { return l.id != "" || len(l.single) > 0 }
+
+// unbatch removes the headers of an atomic batch, and the fence its first event carried (the
+// next send stamps the fence again), from msg.
+func unbatch(msg *nats.Msg) {
+	for _, h := range []string{batchIDHeader, batchSeqHeader, batchCommitHeader,
+		jetstream.ExpectedLastSubjSeqHeader, jetstream.ExpectedLastSubjSeqSubjHeader} {
+		delete(msg.Header, h)
+	}
+}
 
 // atomicToken is the reply token of the commit of atomic batch id.
 func atomicToken(id string) string { return "A." + id }
@@ -133,9 +143,7 @@ func (p *pipeline) nextAtomic(lane int, now time.Time) ([]*nats.Msg, []string) {
 		}
 		ev := l.single[0]
 		l.sent = true
-		delete(ev.msg.Header, batchIDHeader)
-		delete(ev.msg.Header, batchSeqHeader)
-		delete(ev.msg.Header, batchCommitHeader)
+		unbatch(ev.msg)
 		p.fence.stamp(ev.msg, lane)
 		ev.sentAt.Store(now.UnixNano())
 		return []*nats.Msg{ev.msg}, []string{eventToken(ev.id)}
@@ -147,10 +155,12 @@ func (p *pipeline) nextAtomic(lane int, now time.Time) ([]*nats.Msg, []string) {
 		l.max = atomicMaxMsgs
 	}
 	var batch []*pendingEvent
-	bytes := 0
+	bytes, full := 0, false
 	rest := p.out[:0]
 	for _, ev := range p.out {
-		if ev.lane != lane || len(batch) >= l.max || len(batch) > 0 && bytes+ev.size > atomicMaxBytes {
+		// The lane's events in order: the batch ends at the first that does not fit.
+		full = full || ev.lane == lane && (len(batch) >= l.max || len(batch) > 0 && bytes+ev.size > atomicMaxBytes)
+		if ev.lane != lane || full {
 			rest = append(rest, ev)
 			continue
 		}
@@ -200,7 +210,10 @@ func (p *pipeline) atomicAck(a ackResult) error {
 	var api *jetstream.APIError
 	switch {
 	case errors.As(a.err, &api) && api.ErrorCode == atomicDuplicate:
-		// Published one at a time instead (see the top of this file).
+		// Published one at a time instead (see the top of this file), each timed from its send.
+		for _, ev := range batch {
+			ev.sentAt.Store(0)
+		}
 		l.single, l.sent = batch, false
 		p.log.Warn("a message with the Nats-Msg-Id of an event is in the stream already: publishing that batch's events one at a time",
 			"stream", p.streams[li], "events", len(batch))
@@ -208,6 +221,7 @@ func (p *pipeline) atomicAck(a ackResult) error {
 		l.max = max(1, min(l.max, len(batch))/2)
 		for _, ev := range batch {
 			ev.sentAt.Store(0)
+			unbatch(ev.msg)
 		}
 		p.out = append(batch, p.out...) // the lane's events first again, in order
 		p.log.Warn("the server refused an atomic batch as too large (max_batch_size): sending smaller ones",

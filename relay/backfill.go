@@ -241,7 +241,7 @@ func (r *Relay) backfillPage(ctx context.Context, tx pgx.Tx, after int64) ([]ite
 	}
 	defer rows.Close()
 	table := r.cfg.Schema + "." + tableOutbox
-	maxPayload := int(r.maxPayload) // not nc.MaxPayload(): see streamsChecked
+	maxPayload := r.eventPayload() // not nc.MaxPayload(): see streamsChecked
 	var page []item
 	var last int64
 	for rows.Next() {

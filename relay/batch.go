@@ -382,7 +382,7 @@ func batchResult(ref batchRef, m *nats.Msg) ackResult {
 func (p *pipeline) sendBatched() bool {
 	for {
 		for lane := range laneCount {
-			if !p.refreshFence(lane) {
+			if p.halted.Load() || !p.refreshFence(lane) {
 				return false
 			}
 		}

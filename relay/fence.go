@@ -22,10 +22,11 @@ import (
 // relay makes before sending (a pause can fall between check and send).
 //
 // Each stream holds, per slot, one fence message on wire.FenceSubject. A session writes its own
-// before it publishes anything to the stream, once it holds the slot: a compare-and-set
-// (Nats-Expected-Last-Subject-Sequence naming the sequence it read there, so of two sessions
-// that both think they hold the slot only one gets a fence), with a Nats-Rollup that removes
-// the previous session's. Every event the session publishes to that stream then carries
+// before it publishes anything to the stream: a compare-and-set
+// (Nats-Expected-Last-Subject-Sequence naming the sequence it read there before it took the
+// slot, so that a session paused at its start cannot fence out one that took over meanwhile),
+// after which it deletes the previous session's (or, on a stream whose operator allows
+// rollups, a Nats-Rollup removes it). Every event the session publishes to that stream then carries
 // Nats-Expected-Last-Subject-Sequence and -Subject naming its fence: JetStream stores it only
 // while that fence is the last message on the fence subject. Once a newer session wrote its
 // own, whatever an older session still sends — held in a frozen TCP path, a paused process or
@@ -54,8 +55,8 @@ import (
 // before, only the duplicate window removes a late copy.
 
 // fenceState is what ensureStreams found out about one stream: whether it takes the fence
-// (on), whether it allows the Nats-Rollup that keeps one fence message per slot (without it,
-// each session adds one), and the limits by which it drops its oldest messages (zero: none).
+// (on), whether it allows the Nats-Rollup that replaces the previous fence message (without
+// it, the session deletes that one), and the limits by which it drops its oldest messages (zero: none).
 type fenceState struct {
 	on, rollup bool
 	// replicated says the stream has replicas; atomic, that it takes atomic batches.
@@ -97,9 +98,12 @@ type sessionFence struct {
 	raised bool
 	// unknown says a fence write ended without an answer (it may be stored): the session
 	// cannot raise its fence any more, and ends; the next one reads the fences again.
-	unknown bool
+	unknown atomic.Bool
 	prev    chan prevFences // what read found (cap 1; put back when taken)
-	lanes   [laneCount]laneFence
+	read1   chan struct{}   // closed when read found it
+	// taken is set once the session takes the slot: a read that ends after that is refused.
+	taken atomic.Bool
+	lanes [laneCount]laneFence
 	// acked is, by lane, the highest stream sequence a PubAck reported this session.
 	acked [laneCount]atomic.Uint64
 }
@@ -117,6 +121,17 @@ func (r *Relay) newSessionFence() *sessionFence {
 		return nil
 	}
 	return f
+}
+
+// laterHeaders is what the headers added after an event is built take at most: its commit LSN
+// (the reader), the fence (the sender) and an atomic batch's headers, with their names.
+const laterHeaders = 512
+
+// eventPayload is the size events are built to fit: the server's max payload, less the headers
+// the relay adds to an event after building it (laterHeaders). An event built to the full
+// max payload would be refused once they are added (nats.go's ErrMaxPayload), on every replay.
+func (r *Relay) eventPayload() int {
+	return int(max(r.maxPayload-laterHeaders, r.maxPayload/2))
 }
 
 // laneKinds are the wire kinds of the lanes' streams.
@@ -193,7 +208,7 @@ type fenceBody struct {
 // streams and reports to Postgres meanwhile. The goroutine ends within timeout (or when
 // nats.go gives up the write it waits behind); raise waits for it.
 func (f *sessionFence) read(timeout time.Duration) {
-	f.prev = make(chan prevFences, 1)
+	f.prev, f.read1 = make(chan prevFences, 1), make(chan struct{})
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
@@ -215,8 +230,36 @@ func (f *sessionFence) read(timeout time.Duration) {
 			})
 		}
 		wg.Wait()
+		if f.taken.Load() && res.err == nil {
+			res.err = errFencesLate
+		}
 		f.prev <- res
+		close(f.read1)
 	}()
+}
+
+// errFencesLate is the error of a session whose read of the fences ended after it took the
+// slot: what it read may be a newer session's fence, which it must not replace.
+var errFencesLate = errors.New("the stream fences were read only after the slot was taken; the next session reads them again")
+
+// fenceReadWait bounds how long a session waits for read before it takes the slot: a stalled
+// NATS server must not keep the session from streaming (and reporting to Postgres).
+const fenceReadWait = 2 * time.Second
+
+// takeSlot waits up to fenceReadWait for read, then marks the slot taken: the session takes it
+// next. Safe to call again.
+func (f *sessionFence) takeSlot(ctx context.Context) {
+	if f == nil || f.taken.Load() {
+		return
+	}
+	t := time.NewTimer(fenceReadWait)
+	defer t.Stop()
+	select {
+	case <-f.read1:
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	f.taken.Store(true)
 }
 
 // prevFences is what read found: by lane, the sequence of the last fence message (0: none).
@@ -270,7 +313,7 @@ func (f *sessionFence) raise(ctx context.Context) error {
 	if f.raised {
 		return nil
 	}
-	if f.unknown {
+	if f.unknown.Load() {
 		return errFenceUnknown
 	}
 	var prev prevFences
@@ -327,16 +370,37 @@ func (f *sessionFence) write(ctx context.Context, js jetstream.JetStream, lane i
 	if err != nil {
 		var api *jetstream.APIError
 		if !errors.As(err, &api) {
-			f.unknown = true
+			f.unknown.Store(true)
 		}
 		err = asFencedOut(asStreamFull(goneAsNoResponders(err), lane, f.streams[lane], msg))
 		return fmt.Errorf("write the fence %s of stream %s: %w", f.subjects[lane], f.streams[lane], err)
 	}
 	// A stream that refused the fence for lack of room (a full turns stream) took it now.
 	f.m.roomAgain(f.log, lane, f.streams[lane])
+	if !f.state[lane].rollup && prev > 0 {
+		// One fence message per slot: the previous one goes (the relay does not turn on
+		// allow_rollup_hdrs, which would let any publisher purge a stream). Best effort: one
+		// left behind is a message more, and is removed by the next session's write.
+		f.deletePrev(ctx, lane, prev)
+	}
 	f.lanes[lane] = laneFence{subject: f.subjects[lane], seq: ack.Sequence, header: []string{strconv.FormatUint(ack.Sequence, 10)},
 		subj: []string{f.subjects[lane]}, at: time.Now()}
 	return nil
+}
+
+// deletePrev deletes the fence message at seq of lane's stream ($JS.API.STREAM.MSG.DELETE),
+// logging a failure at DEBUG.
+func (f *sessionFence) deletePrev(ctx context.Context, lane int, seq uint64) {
+	req, err := json.Marshal(struct {
+		Seq     uint64 `json:"seq"`
+		NoErase bool   `json:"no_erase"`
+	}{seq, true})
+	if err == nil {
+		_, err = f.nc.RequestWithContext(ctx, "$JS.API.STREAM.MSG.DELETE."+f.streams[lane], req)
+	}
+	if err != nil {
+		f.log.Debug("could not delete the previous fence message", "stream", f.streams[lane], "stream_seq", seq, "error", err)
+	}
 }
 
 // goneAsNoResponders returns errNoResponders, wrapping err, when err says a stream is gone
@@ -352,6 +416,8 @@ func goneAsNoResponders(err error) error {
 // its stream: half of a limit by which the stream drops its oldest messages is used up since
 // it was written.
 func (f *sessionFence) refreshDue(lane int, now time.Time) bool {
+	f.mu.Lock() // a pipeline that ended may still be raising the fence (see mu)
+	defer f.mu.Unlock()
 	st, lf := &f.state[lane], &f.lanes[lane]
 	if !st.on || !f.raised {
 		return false
@@ -376,7 +442,7 @@ func (f *sessionFence) refreshDue(lane int, now time.Time) bool {
 func (f *sessionFence) refresh(ctx context.Context, lane int) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.unknown {
+	if f.unknown.Load() {
 		return errFenceUnknown
 	}
 	js, err := jetstream.New(f.nc)
@@ -400,7 +466,7 @@ func (f *sessionFence) stamp(msg *nats.Msg, lane int) {
 	msg.Header[jetstream.ExpectedLastSubjSeqHeader] = lf.header
 	msg.Header[jetstream.ExpectedLastSubjSeqSubjHeader] = lf.subj
 	lf.sentMsgs++
-	lf.sentBytes += int64(len(msg.Data))
+	lf.sentBytes += int64(eventSize(msg)) // the body and an allowance for subject and headers
 }
 
 // ackedAt records a PubAck's stream sequence for lane (on nats.go's goroutine).

@@ -352,7 +352,7 @@ func (p *pipeline) fenceCtx() (context.Context, context.CancelFunc) {
 // raiseFence raises the session's fence (see fence.go) before the first send, and reports
 // whether the pipeline goes on. A failure fails the pipeline.
 func (p *pipeline) raiseFence() bool {
-	if p.fence == nil || p.fence.raised {
+	if p.fence == nil {
 		return true
 	}
 	ctx, cancel := p.fenceCtx()

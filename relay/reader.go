@@ -57,7 +57,7 @@ func (r *Relay) newReader(repl *pgconn.PgConn, frames *cutFrames, p *pipeline) *
 		conn:       repl.Conn(),
 		p:          p,
 		frames:     frames,
-		dec:        newDecoder(cfg.Schema, cfg.SubjectPrefix, int(r.maxPayload)),
+		dec:        newDecoder(cfg.Schema, cfg.SubjectPrefix, r.eventPayload()),
 		confirmed:  &r.confirmed,
 		live:       liveness{bound: silenceBound(cfg.StatusInterval)},
 		nextStatus: time.Now(),
@@ -246,7 +246,7 @@ func (rd *reader) decideReplay(ctx, gctx context.Context) (bool, error) {
 	}
 	dctx, cancel := context.WithTimeout(gctx, rd.cfg.SetupTimeout)
 	defer cancel()
-	held, wants := c.take()
+	held, start, wants := c.take()
 	if len(wants) > 0 {
 		type result struct {
 			looked []lookup
@@ -281,7 +281,7 @@ func (rd *reader) decideReplay(ctx, gctx context.Context) (bool, error) {
 			}
 		}
 	}
-	items, err := c.decide(dctx, held, wants)
+	items, err := c.decide(dctx, held, start, wants)
 	if err != nil {
 		rd.m.errors.WithLabelValues("postgres").Inc()
 		return false, err

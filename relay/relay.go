@@ -75,7 +75,10 @@ func (r *Relay) Run(ctx context.Context) error {
 		started := time.Now()
 		err := r.session(ctx)
 		if errors.Is(err, errNoResponders) || errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, errBatchRefused) ||
-			errors.Is(err, errNoPubAck) && r.serverAnswers() {
+			errors.Is(err, errNoPubAck) && r.serverAnswers() ||
+			// A stream scaled to replicas while the relay ran (pipelined checks refused), or
+			// its atomic batches turned off: the fencing way is decided again.
+			isAPIError(err, checkInProcess) || isAPIError(err, atomicDisabled) {
 			r.streamsChecked = false // check the streams and the server's limit again
 		}
 		r.active.Store(false)
@@ -392,6 +395,7 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 	}
 	defer func() { closeConn(ctx, repl) }()
 	frames.waitOn(repl.Conn())
+	r.fence.takeSlot(ctx) // the fences are read before the slot is created or streamed from
 
 	var slot slotInfo
 	if err := r.bounded(ctx, func(ctx context.Context) (err error) {

@@ -189,8 +189,13 @@ func (b *bundle) readStream(t *testing.T, stream string) []got {
 	if total == 0 {
 		return nil
 	}
-	cons, err := s.CreateConsumer(ctx, jetstream.ConsumerConfig{AckPolicy: jetstream.AckExplicitPolicy, AckWait: time.Hour,
-		MaxAckPending: -1, DeliverPolicy: jetstream.DeliverAllPolicy, InactiveThreshold: time.Minute})
+	// A cluster's stream may not answer a consumer request at once (a leader election).
+	var cons jetstream.Consumer
+	require.Eventually(t, func() bool {
+		cons, err = s.CreateConsumer(ctx, jetstream.ConsumerConfig{AckPolicy: jetstream.AckExplicitPolicy, AckWait: time.Hour,
+			MaxAckPending: -1, DeliverPolicy: jetstream.DeliverAllPolicy, InactiveThreshold: time.Minute})
+		return !errors.Is(err, nats.ErrNoResponders)
+	}, 30*time.Second, 50*time.Millisecond, "no answer to the consumer request")
 	require.NoError(t, err)
 	defer func() { require.NoError(t, s.DeleteConsumer(ctx, cons.CachedInfo().Name)) }()
 	var out []got

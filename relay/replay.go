@@ -48,11 +48,15 @@ type replayCheck struct {
 	conn    *pgx.Conn // the session's connection: the reader's while it streams
 	m       *metrics
 
-	last    map[string]*lastStored // by subject: nil for none, or not looked up yet
-	held    []item                 // the replay's items not yet decided, in order
-	events  int                    // events among them
-	cur     pglogrepl.LSN          // the commit LSN of the transaction being held
-	skipped int                    // events skipped so far
+	last   map[string]*lastStored // by subject: nil for none, or not looked up yet
+	held   []item                 // the replay's items not yet decided, in order
+	events int                    // events among them
+	bytes  int                    // their events' eventSize
+	cur    pglogrepl.LSN          // the commit LSN of the transaction being held
+	// start is the commit LSN of the transaction open when the first held item came: a
+	// batch may start inside a transaction.
+	start   pglogrepl.LSN
+	skipped int // events skipped so far
 }
 
 // lastStored is the last event a subject's stream holds, as far as the replay is concerned.
@@ -63,8 +67,12 @@ type lastStored struct {
 	passed bool
 }
 
-// replayBatch is how many events the replay check decides at once.
-const replayBatch = 512
+// replayBatch and replayBytes bound the events the replay check holds before it decides: how
+// many, and their bytes (an outcome may be as large as the server's max payload).
+const (
+	replayBatch = 512
+	replayBytes = 16 << 20
+)
 
 // replayLookups bounds the concurrent lookups of subjects' last events.
 const replayLookups = 16
@@ -91,14 +99,18 @@ func (c *replayCheck) covers(it item) bool {
 
 // hold keeps it for the next decision and reports whether a batch is full.
 func (c *replayCheck) hold(it item) bool {
+	if len(c.held) == 0 {
+		c.start = c.cur
+	}
 	switch it.kind {
 	case itemBegin:
 		c.cur = it.lsn
 	case itemEvent:
 		c.events++
+		c.bytes += eventSize(it.msg)
 	}
 	c.held = append(c.held, it)
-	return c.events >= replayBatch
+	return c.events >= replayBatch || c.bytes >= replayBytes
 }
 
 // lookup is a subject whose last stored event the check reads, and what it found (nil: none).
@@ -110,12 +122,12 @@ type lookup struct {
 
 // take returns the held items, holding nothing after, and the subjects of their events the
 // check has not looked up yet (reserved: none is looked up twice).
-func (c *replayCheck) take() ([]item, []lookup) {
-	held := c.held
-	c.held, c.events = nil, 0
+func (c *replayCheck) take() ([]item, pglogrepl.LSN, []lookup) {
+	held, start := c.held, c.start
+	c.held, c.events, c.bytes = nil, 0, 0
 	var wants []lookup
 	for _, it := range held {
-		if it.kind != itemEvent {
+		if !checked(it) {
 			continue
 		}
 		if _, ok := c.last[it.msg.Subject]; !ok {
@@ -123,24 +135,32 @@ func (c *replayCheck) take() ([]item, []lookup) {
 			wants = append(wants, lookup{lane: laneOf(it.outcome, it.deadLetter), subject: it.msg.Subject})
 		}
 	}
-	return held, wants
+	return held, start, wants
+}
+
+// checked reports whether the replay check decides on item it: turn events and outcomes. A
+// dead-letter record's subject (<prefix>.deadletter.<kind>) is every shard's, so its last
+// record says nothing of this slot's: records are published again, and their Nats-Msg-Ids
+// (DeadLetterNthMsgID) drop copies within the duplicate window.
+func checked(it item) bool {
+	return it.kind == itemEvent && it.deadLetter == ""
 }
 
 // decide returns the items of held to publish, in order, without the events an earlier session
 // stored (counted in baton_relay_replay_skipped_total), given the lookups of their new
 // subjects. It reads the turn events' outbox rows on the session's connection.
-func (c *replayCheck) decide(ctx context.Context, held []item, looked []lookup) ([]item, error) {
+func (c *replayCheck) decide(ctx context.Context, held []item, start pglogrepl.LSN, looked []lookup) ([]item, error) {
 	for _, l := range looked {
 		c.last[l.subject] = l.found
 	}
 	keep := make([]bool, len(held))
-	var lsn pglogrepl.LSN
+	lsn := start
 	var rows []int64 // outbox ids of turn events to publish, whose rows are checked
 	for i, it := range held {
 		if it.kind == itemBegin {
 			lsn = it.lsn
 		}
-		keep[i] = it.kind != itemEvent || !c.stored(it, lsn)
+		keep[i] = !checked(it) || !c.stored(it, lsn)
 		if id, ok := turnRow(it); ok && keep[i] {
 			rows = append(rows, id)
 		}
@@ -221,8 +241,11 @@ func (c *replayCheck) lookUp(ctx context.Context, wants []lookup) ([]lookup, err
 			}
 			ls := &lastStored{msgID: m.Header.Get(nats.MsgIdHdr)}
 			if v := m.Header.Get(wire.HeaderCommitLSN); v != "" {
-				if ls.lsn, err = pglogrepl.ParseLSN(v); err != nil {
-					ls.lsn = 0 // not the relay's: nothing to skip by it
+				// One past the checked replay is no earlier session's of this slot: a message
+				// anyone may have published, or one of another timeline. Nothing is skipped by
+				// it (nor by one that does not parse).
+				if ls.lsn, err = pglogrepl.ParseLSN(v); err != nil || ls.lsn > c.to {
+					ls.lsn = 0
 				}
 			}
 			w.found = ls

@@ -226,12 +226,11 @@ func fenceStream(ctx context.Context, js jetstream.JetStream, cfg *Config, have,
 		return fenceState{}
 	}
 	filter := want.Subjects[1]
-	if !slices.Contains(have.Subjects, filter) || !have.AllowRollup && !have.DenyPurge || !have.AllowAtomicPublish {
+	if !slices.Contains(have.Subjects, filter) || !have.AllowAtomicPublish {
 		upd := have
 		if !slices.Contains(upd.Subjects, filter) {
 			upd.Subjects = append(slices.Clone(upd.Subjects), filter)
 		}
-		upd.AllowRollup = !upd.DenyPurge
 		// For atomic publishing (atomic.go), which a replicated stream needs; a server older
 		// than 2.12 leaves it off.
 		upd.AllowAtomicPublish = true
@@ -243,7 +242,7 @@ func fenceStream(ctx context.Context, js jetstream.JetStream, cfg *Config, have,
 		}
 		have = info.CachedInfo().Config
 	}
-	st := fenceState{on: slices.Contains(have.Subjects, filter), rollup: have.AllowRollup,
+	st := fenceState{on: slices.Contains(have.Subjects, filter), rollup: have.AllowRollup && !have.DenyPurge,
 		replicated: have.Replicas > 1, atomic: have.AllowAtomicPublish}
 	if have.Discard == jetstream.DiscardOld { // it drops its oldest messages: the fence too, in time
 		st.maxMsgs, st.maxBytes, st.maxAge = max(0, have.MaxMsgs), max(0, have.MaxBytes), have.MaxAge
@@ -269,7 +268,6 @@ func wantStreams(cfg *Config) []jetstream.StreamConfig {
 			Replicas:   s.Replicas,
 			// Stays false on a server that does not know it; checked in ensureStreams.
 			AllowBatchPublish: !cfg.ClassicPublish,
-			AllowRollup:       true, // for the fence (see fence.go)
 		}
 	}
 	// Turn events leave the stream when the workers acknowledge them, never by age, and a
