@@ -151,14 +151,19 @@ func TestDuplicateEventsRunOneTurn(t *testing.T) {
 	ctx := context.Background()
 	s, err := js.Stream(ctx, "AGENT_TURNS")
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { info, err := s.Info(ctx); return err == nil && info.State.Msgs == 1 }, time.Minute, 10*time.Millisecond)
-	orig, err := s.GetMsg(ctx, 1)
-	require.NoError(t, err)
+	var orig *jetstream.RawStreamMsg
+	require.Eventually(t, func() bool {
+		orig, err = s.GetLastMsgForSubject(ctx, "agent.turns.>") // the event, not the relay's fence
+		return err == nil
+	}, time.Minute, 10*time.Millisecond)
 	for i := range 2 {
 		m := nats.NewMsg(orig.Subject)
 		for k, v := range orig.Header {
 			m.Header[k] = append([]string(nil), v...)
 		}
+		// A copy carries no fence: the relay's session fence would refuse it.
+		delete(m.Header, jetstream.ExpectedLastSubjSeqHeader)
+		delete(m.Header, jetstream.ExpectedLastSubjSeqSubjHeader)
 		m.Header.Set(nats.MsgIdHdr, fmt.Sprintf("replay-%d", i))
 		m.Data = orig.Data
 		_, err := js.PublishMsg(ctx, m)

@@ -163,7 +163,8 @@ func TestStatusOfLiveSystem(t *testing.T) {
 
 	// The relay and the acks are asynchronous: wait until the streams and the consumer settled.
 	// The turns stream is a work queue: the three acknowledged events are gone from it, the
-	// four pending ones stay (7 stored in all).
+	// four pending ones stay (7 stored in all, after the relay's fence message: sequence 8;
+	// the report counts events, not the fence).
 	var r result
 	var rep statusreport.Report
 	require.Eventually(t, func() bool {
@@ -173,7 +174,7 @@ func TestStatusOfLiveSystem(t *testing.T) {
 			return false
 		}
 		rep = got
-		return got.Streams.Turns.Messages == 4 && got.Streams.Turns.LastSeq == 7 && got.Streams.Outcomes.Messages == 3 &&
+		return got.Streams.Turns.Messages == 4 && got.Streams.Turns.LastSeq == 8 && got.Streams.Outcomes.Messages == 3 &&
 			got.Streams.Consumer.NumPending == 4 && got.Streams.Consumer.NumAckPending == 0
 	}, time.Minute, 50*time.Millisecond, "streams never settled; last report:\n%s\n%s", r.stdout, r.stderr)
 	require.Equal(t, 0, r.code, r.stderr)
@@ -211,7 +212,7 @@ func TestStatusOfLiveSystem(t *testing.T) {
 	require.Equal(t, "AGENT_TURNS", rep.Streams.Turns.Name)
 	require.True(t, rep.Streams.Turns.Exists)
 	require.Equal(t, "AGENT_OUTCOMES", rep.Streams.Outcomes.Name)
-	require.Equal(t, uint64(3), rep.Streams.Outcomes.LastSeq)
+	require.Equal(t, uint64(4), rep.Streams.Outcomes.LastSeq, "the relay's fence, then three outcomes")
 	require.Equal(t, "baton-workers", rep.Streams.Consumer.Name)
 	require.True(t, rep.Streams.Consumer.Exists)
 	require.Zero(t, rep.Streams.Consumer.NumRedelivered)
@@ -245,7 +246,8 @@ func TestStatusOfLiveSystem(t *testing.T) {
 		`(?m)^  processing {2,}0$`,
 		`(?m)^  done {2,}4$`,
 		`(?m)^  error {2,}1$`,
-		`(?m)^  AGENT_TURNS {2,}4 {2,}\S+ \S+ {2,}4 {2,}7 {2,}`, // a work queue: the acknowledged events are gone
+		// A work queue: the acknowledged events are gone; the relay's fence stays first (1).
+		`(?m)^  AGENT_TURNS {2,}4 {2,}\S+ \S+ {2,}1 {2,}8 {2,}`,
 		`(?m)^  AGENT_OUTCOMES {2,}3 {2,}`,
 		`(?m)^  baton-workers {2,}AGENT_TURNS {2,}4 {2,}0 {2,}0 {2,}\d+$`,
 		fmt.Sprintf(`(?m)^  version {2,}%d \(this binary: %d\)$`, migrations.Latest(), migrations.Latest()),
