@@ -111,7 +111,7 @@ type sessionFence struct {
 // newSessionFence returns the fences of a new session of r, or nil when no stream takes one.
 func (r *Relay) newSessionFence() *sessionFence {
 	f := &sessionFence{nc: r.cfg.NATS, m: r.m, log: r.cfg.Logger, slot: r.cfg.Slot, state: r.fenced, started: time.Now().UTC(),
-		streams: [laneCount]string{laneTurns: r.cfg.TurnsStream, laneOutcomes: r.cfg.OutcomesStream, laneDeadLetter: r.cfg.DeadLetterStream}}
+		streams: r.laneStreams()}
 	fenced := false
 	for lane, kind := range laneKinds {
 		f.subjects[lane] = wire.FenceSubject(r.cfg.SubjectPrefix, kind, r.cfg.Slot)

@@ -66,6 +66,18 @@ func publishBarrier(ctx context.Context, t *testing.T, nc *nats.Conn) {
 	require.NoError(t, err, "barrier through the old relay's connection")
 }
 
+// turnsBesideTheBarrier returns the turn events the turns stream holds, without the barrier.
+func (b *bundle) turnsBesideTheBarrier(t *testing.T) []got {
+	t.Helper()
+	var events []got
+	for _, m := range b.readStream(t, "AGENT_TURNS") {
+		if m.subject != barrierSubject {
+			events = append(events, m)
+		}
+	}
+	return events
+}
+
 // proxiedNATS returns a NATS connection to server through a proxy the test can freeze, with
 // nats.go's stale-connection pings out of the test's way.
 func proxiedNATS(t *testing.T, server string) (*testsvc.Proxy, *nats.Conn) {
@@ -101,17 +113,8 @@ func latePublishesAreFenced(t *testing.T, replicas int) {
 
 	proxy, ncA := proxiedNATS(t, server)
 	t.Cleanup(proxy.Unfreeze)
-	cfgA := b.cfg
-	cfgA.NATS = ncA
-	cfgA.DrainTimeout = 200 * time.Millisecond
-	ra, err := relay.New(cfgA)
-	require.NoError(t, err)
-	ctxA, stopA := context.WithCancel(ctx)
-	doneA := make(chan error, 1)
-	go func() { doneA <- ra.Run(ctxA) }()
-	t.Cleanup(stopA)
-	require.Eventually(t, ra.Active, time.Minute, 5*time.Millisecond, "relay A never became active")
-	_, err = send(ctx, b.db.Pool, convs[0], "warm")
+	ra, stopA := b.startProxied(t, ctx, ncA)
+	_, err := send(ctx, b.db.Pool, convs[0], "warm")
 	require.NoError(t, err)
 	b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
 
@@ -123,12 +126,6 @@ func latePublishesAreFenced(t *testing.T, replicas int) {
 	// A publishes into the frozen path and its session ends on the ack timeout.
 	require.Eventually(t, func() bool { return !ra.Active() }, time.Minute, 5*time.Millisecond, "relay A's session never ended")
 	stopA()
-	select {
-	case err := <-doneA:
-		require.NoError(t, err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("relay A did not stop")
-	}
 
 	b.start(t)
 	want := truth(t, b.db.Pool)
@@ -140,13 +137,7 @@ func latePublishesAreFenced(t *testing.T, replicas int) {
 	require.NoError(t, ncA.FlushTimeout(30*time.Second), "A's healed connection")
 	publishBarrier(ctx, t, ncA)
 
-	var events []got
-	for _, m := range b.readStream(t, "AGENT_TURNS") {
-		if m.subject != barrierSubject {
-			events = append(events, m)
-		}
-	}
-	assertExactlyOnceInOrder(t, events, want)
+	assertExactlyOnceInOrder(t, b.turnsBesideTheBarrier(t), want)
 }
 
 // startProxied runs a relay publishing through nc (a proxied connection) until stop is called
@@ -289,13 +280,7 @@ func reconnectBufferIsFenced(t *testing.T, replicas int) {
 	}
 	publishBarrier(ctx, t, ncA)
 
-	var events []got
-	for _, m := range b.readStream(t, "AGENT_TURNS") {
-		if m.subject != barrierSubject {
-			events = append(events, m)
-		}
-	}
-	assertExactlyOnceInOrder(t, events, want)
+	assertExactlyOnceInOrder(t, b.turnsBesideTheBarrier(t), want)
 }
 
 // signal sends on ch (cap 1) without blocking.

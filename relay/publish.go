@@ -106,26 +106,8 @@ func (p *publisher) publish(msg *nats.Msg, token string) error {
 
 // atomicResult reads the answer m to the commit of atomic batch id.
 func atomicResult(id string, m *nats.Msg) ackResult {
-	res := ackResult{atomicID: id}
-	if len(m.Data) == 0 {
-		res.err = replyError(m)
-		if res.err == nil {
-			res.err = fmt.Errorf("%w: empty reply", errInvalidPubAck)
-		}
-		return res
-	}
-	a, err := parsePubAck(m.Data)
-	switch {
-	case err != nil:
-		res.err = err
-	case a.apiErr != nil:
-		res.err = a.apiErr
-	case a.stream == "":
-		res.err = fmt.Errorf("%w: no stream in %q", errInvalidPubAck, m.Data)
-	default:
-		res.seq, res.count = a.seq, a.count
-	}
-	return res
+	a, err := readAck(m)
+	return ackResult{atomicID: id, err: err, seq: a.seq, count: a.count}
 }
 
 // eventToken is the reply token of event id published on its own.
@@ -147,24 +129,32 @@ func replyError(m *nats.Msg) error {
 // replyAck is replyError, and for a PubAck the stream sequence it reports and whether it says
 // "duplicate": the stream had the message's Nats-Msg-Id already.
 func replyAck(m *nats.Msg) (seq uint64, dup bool, err error) {
+	a, err := readAck(m)
+	return a.seq, a.duplicate, err
+}
+
+// readAck returns the PubAck m carries, or the error it reports: a NATS status without body
+// (503: no stream listens on the subject), a JetStream API error, or a reply that is not a
+// PubAck.
+func readAck(m *nats.Msg) (pubAck, error) {
 	if len(m.Data) == 0 {
 		if status := m.Header.Get(statusHeader); status != "" {
 			if status == "503" {
-				return 0, false, errNoResponders
+				return pubAck{}, errNoResponders
 			}
-			return 0, false, fmt.Errorf("NATS status %s %s", status, m.Header.Get(descriptionHeader))
+			return pubAck{}, fmt.Errorf("NATS status %s %s", status, m.Header.Get(descriptionHeader))
 		}
 	}
 	ack, err := parsePubAck(m.Data)
 	switch {
 	case err != nil:
-		return 0, false, err
+		return pubAck{}, err
 	case ack.apiErr != nil:
-		return 0, false, ack.apiErr
+		return pubAck{}, ack.apiErr
 	case ack.stream == "":
-		return 0, false, fmt.Errorf("%w: no stream in %q", errInvalidPubAck, m.Data)
+		return pubAck{}, fmt.Errorf("%w: no stream in %q", errInvalidPubAck, m.Data)
 	}
-	return ack.seq, ack.duplicate, nil
+	return ack, nil
 }
 
 // streamFullCodes are the JetStream error codes with which the server refuses to store a
