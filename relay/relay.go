@@ -464,18 +464,19 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		}
 		return fmt.Errorf("start replication on slot %s: %w", cfg.Slot, err)
 	}
+	// What the server had flushed now that this session holds the slot: the backlog the
+	// walsender sends without waiting (see reader.backlogEnd), and the end of the replay an
+	// earlier session may have stored events of past the slot's position (replay.go).
+	var flushed pglogrepl.LSN
+	if err := r.bounded(ctx, func(ctx context.Context) error {
+		return conn.QueryRow(ctx, `SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+			ELSE pg_current_wal_flush_lsn() END::text`).Scan(&lsnText{&flushed})
+	}); err != nil {
+		return fmt.Errorf("read the WAL position: %w", err)
+	}
 	var replay *replayCheck
 	if action == slotStream {
-		// An earlier session may have stored events past the slot's position: check the replay
-		// up to what the server had flushed now that this session holds the slot (replay.go).
-		var to pglogrepl.LSN
-		if err := r.bounded(ctx, func(ctx context.Context) error {
-			return conn.QueryRow(ctx, `SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
-				ELSE pg_current_wal_flush_lsn() END::text`).Scan(&lsnText{&to})
-		}); err != nil {
-			return fmt.Errorf("read the WAL position: %w", err)
-		}
-		if replay, err = r.newReplayCheck(conn, to); err != nil {
+		if replay, err = r.newReplayCheck(conn, flushed); err != nil {
 			return err
 		}
 	}
@@ -483,7 +484,7 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 	r.active.Store(true)
 	r.healthy.Store(true)
 	r.m.active.Set(1)
-	return r.replicate(ctx, repl, frames, replay)
+	return r.replicate(ctx, repl, frames, replay, flushed)
 }
 
 // lsnText scans an LSN printed as text ("0/16B3748").
@@ -501,7 +502,7 @@ func (l lsnText) Scan(src any) error {
 
 // replicate runs the reader (which owns the replication connection) and the pipeline until
 // one fails or ctx ends.
-func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutFrames, replay *replayCheck) error {
+func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutFrames, replay *replayCheck, flushed pglogrepl.LSN) error {
 	cfg := &r.cfg
 	p := newPipeline(cfg, r.m, &r.confirmed, natsSender(cfg.NATS), r.batched)
 	p.fence, p.atomic = r.fence, r.atomic
@@ -518,7 +519,7 @@ func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutF
 		return err
 	})
 	rd := r.newReader(repl, frames, p)
-	rd.replay = replay
+	rd.replay, rd.backlogEnd = replay, flushed
 	g.Go(func() error { return rd.run(ctx, gctx) })
 	return g.Wait()
 }
