@@ -42,8 +42,8 @@ type reader struct {
 	// txLSN is the open transaction's commit LSN as its events' wire.HeaderCommitLSN carries it.
 	txLSN []string
 
-	live       liveness  // whether the walsender answered the status updates
-	answersDue int       // status updates sent whose answer (a keepalive) has not arrived
+	live       liveness // whether the walsender answered the status updates
+	answersDue int      // status updates sent whose answer (a keepalive) has not arrived
 	// backlogEnd is the WAL the server had flushed when the session took the slot: the
 	// walsender sends all of it without waiting, so a keepalive before it is no sign of
 	// being caught up, whatever answersDue says (see handleCopyData).
