@@ -2,7 +2,6 @@ package relay_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/url"
 	"syscall"
@@ -19,11 +18,6 @@ import (
 	"github.com/batonhq/baton/wire"
 )
 
-// barrierSubject is where fence tests publish through a relay's own connection after its path
-// healed: the server processes one client's messages to a stream in order, so the barrier's
-// PubAck comes after every late publish of that connection was stored or refused.
-const barrierSubject = "agent.turns.zz-barrier"
-
 // fenceWorld returns a bundle whose streams have replicas replicas: 1 on the bundle's server,
 // 3 on a 3-node cluster of the test's own. viaProxy is the server a proxied relay reaches.
 func fenceWorld(t *testing.T, replicas int) (b *bundle, viaProxy string) {
@@ -32,7 +26,8 @@ func fenceWorld(t *testing.T, replicas int) (b *bundle, viaProxy string) {
 	if replicas == 1 {
 		return b, b.nats.URL()
 	}
-	c := testsvc.StartCluster(t, 3)
+	// Proxied relays reach the cluster only through their proxy, also when they reconnect.
+	c := testsvc.StartCluster(t, 3, testsvc.NoAdvertise())
 	nc, err := nats.Connect(c.URLs(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
 	require.NoError(t, err)
 	t.Cleanup(nc.Close)
@@ -53,31 +48,6 @@ func replicaCases(t *testing.T, test func(t *testing.T, replicas int)) {
 	}
 }
 
-// publishBarrier publishes to barrierSubject through nc and waits for the PubAck. A cluster
-// node just reconnected to may not know the stream's interest yet: no responders is retried.
-func publishBarrier(ctx context.Context, t *testing.T, nc *nats.Conn) {
-	t.Helper()
-	js, err := jetstream.New(nc)
-	require.NoError(t, err)
-	require.Eventually(t, func() bool {
-		_, err = js.Publish(ctx, barrierSubject, []byte("barrier"))
-		return !errors.Is(err, nats.ErrNoResponders) && !errors.Is(err, jetstream.ErrNoStreamResponse)
-	}, 30*time.Second, 50*time.Millisecond, "the barrier found no stream")
-	require.NoError(t, err, "barrier through the old relay's connection")
-}
-
-// turnsBesideTheBarrier returns the turn events the turns stream holds, without the barrier.
-func (b *bundle) turnsBesideTheBarrier(t *testing.T) []got {
-	t.Helper()
-	var events []got
-	for _, m := range b.readStream(t, "AGENT_TURNS") {
-		if m.subject != barrierSubject {
-			events = append(events, m)
-		}
-	}
-	return events
-}
-
 // proxiedNATS returns a NATS connection to server through a proxy the test can freeze, with
 // nats.go's stale-connection pings out of the test's way.
 func proxiedNATS(t *testing.T, server string) (*testsvc.Proxy, *nats.Conn) {
@@ -91,53 +61,6 @@ func proxiedNATS(t *testing.T, server string) (*testsvc.Proxy, *nats.Conn) {
 	require.NoError(t, err)
 	t.Cleanup(nc.Close)
 	return proxy, nc
-}
-
-// Relay A's path to NATS freezes (bytes held, not refused) while it has publishes on the wire;
-// its session ends on the ack timeout and A stops. Relay B takes over and publishes the same
-// rows and newer ones. When the path heals after the duplicate window, A's held publishes
-// reach the server: a fence the server enforces must refuse them, or the turns stream holds
-// outbox ids twice, after newer events of their conversations.
-func TestLatePublishesOfAnOldSessionAreFenced(t *testing.T) {
-	t.Parallel()
-	replicaCases(t, latePublishesAreFenced)
-}
-
-func latePublishesAreFenced(t *testing.T, replicas int) {
-	b, server := fenceWorld(t, replicas)
-	ctx := ctxT(t, 3*time.Minute)
-	const window = time.Second
-	b.cfg.Streams.Duplicates = window
-	convs := conversationIDs(5)
-	createConversations(t, b.db.Pool, convs...)
-
-	proxy, ncA := proxiedNATS(t, server)
-	t.Cleanup(proxy.Unfreeze)
-	ra, stopA := b.startProxied(t, ctx, ncA)
-	_, err := send(ctx, b.db.Pool, convs[0], "warm")
-	require.NoError(t, err)
-	b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
-
-	proxy.Freeze()
-	for i := range 2 * len(convs) {
-		_, err := send(ctx, b.db.Pool, convs[i%len(convs)], "held-"+string(rune('a'+i)))
-		require.NoError(t, err)
-	}
-	// A publishes into the frozen path and its session ends on the ack timeout.
-	require.Eventually(t, func() bool { return !ra.Active() }, time.Minute, 5*time.Millisecond, "relay A's session never ended")
-	stopA()
-
-	b.start(t)
-	want := truth(t, b.db.Pool)
-	b.waitStream(t, "AGENT_TURNS", len(want), time.Minute)
-	// The duplicate window is a server-side timer: nothing to await but time.
-	time.Sleep(2 * window)
-
-	proxy.Unfreeze()
-	require.NoError(t, ncA.FlushTimeout(30*time.Second), "A's healed connection")
-	publishBarrier(ctx, t, ncA)
-
-	assertExactlyOnceInOrder(t, b.turnsBesideTheBarrier(t), want)
 }
 
 // startProxied runs a relay publishing through nc (a proxied connection) until stop is called
@@ -228,69 +151,6 @@ func storedWithoutPubAckNotStoredAgain(t *testing.T, replicas int) {
 	}
 }
 
-// Relay A's connection to NATS breaks while it publishes, and nats.go keeps what A sends in
-// its reconnect buffer while it cannot reconnect (the path is frozen). A stops; relay B takes
-// over and publishes. When A's connection comes back after the duplicate window, nats.go sends
-// the buffer: the fence must refuse it.
-func TestReconnectBufferOfAnOldSessionIsFenced(t *testing.T) {
-	t.Parallel()
-	replicaCases(t, reconnectBufferIsFenced)
-}
-
-func reconnectBufferIsFenced(t *testing.T, replicas int) {
-	b, server := fenceWorld(t, replicas)
-	ctx := ctxT(t, 3*time.Minute)
-	const window = time.Second
-	b.cfg.Streams.Duplicates = window
-	convs := conversationIDs(5)
-	createConversations(t, b.db.Pool, convs...)
-
-	proxy, ncA := proxiedNATS(t, server)
-	t.Cleanup(proxy.Unfreeze)
-	reconnected := make(chan struct{}, 1)
-	ncA.SetReconnectHandler(func(*nats.Conn) { signal(reconnected) })
-	ra, stopA := b.startProxied(t, ctx, ncA)
-	_, err := send(ctx, b.db.Pool, convs[0], "warm")
-	require.NoError(t, err)
-	b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
-
-	proxy.Freeze()
-	proxy.ResetAll()
-	for i := range 2 * len(convs) {
-		_, err := send(ctx, b.db.Pool, convs[i%len(convs)], fmt.Sprintf("buffered-%d", i))
-		require.NoError(t, err)
-	}
-	require.Eventually(t, func() bool { return !ra.Active() }, time.Minute, 5*time.Millisecond, "relay A's session never ended")
-	buffered, err := ncA.Buffered()
-	require.NoError(t, err)
-	require.Positive(t, buffered, "nothing in A's reconnect buffer")
-	stopA()
-
-	b.start(t)
-	want := truth(t, b.db.Pool)
-	b.waitStream(t, "AGENT_TURNS", len(want), time.Minute)
-	// The duplicate window is a server-side timer: nothing to await but time.
-	time.Sleep(2 * window)
-
-	proxy.Unfreeze()
-	select {
-	case <-reconnected:
-	case <-time.After(time.Minute):
-		t.Fatal("A's connection never came back")
-	}
-	publishBarrier(ctx, t, ncA)
-
-	assertExactlyOnceInOrder(t, b.turnsBesideTheBarrier(t), want)
-}
-
-// signal sends on ch (cap 1) without blocking.
-func signal(ch chan struct{}) {
-	select {
-	case ch <- struct{}{}:
-	default:
-	}
-}
-
 // On a replicated stream the relay publishes atomic batches, which JetStream refuses whole when
 // one of their Nats-Msg-Ids is in the stream already. Anyone with publish rights can store a
 // message with an event's Nats-Msg-Id first: the relay must not stall on it, but publish that
@@ -341,16 +201,41 @@ func TestAtomicBatchWithAForeignDuplicateGoesOneByOne(t *testing.T) {
 	require.Zero(t, counter(t, reg, "baton_relay_reconnects_total", ""), "the relay went on in the same session")
 }
 
-// Relay A runs as a process, its path to NATS frozen while it has publishes in flight, and
-// then SIGSTOPped: standby B (a process) takes over once A's walsender timed out, and publishes
-// those rows. The path heals and A resumes after the duplicate window: its held publishes reach
-// the server, which must refuse them (A then logs that it was fenced out).
-func TestPausedRelayProcessIsFencedOut(t *testing.T) {
+// processFault is what happens to relay process A's path to NATS while it has publishes in
+// flight, in the process fence tests.
+type processFault int
+
+const (
+	// faultFrozen freezes the path (bytes held, not refused): A's session ends on its ack
+	// timeout, A stands by, and its held publishes land when the path heals.
+	faultFrozen processFault = iota
+	// faultFrozenPaused freezes the path and SIGSTOPs A: its walsender times out, and A
+	// resumes after the path healed, its held publishes landing first.
+	faultFrozenPaused
+	// faultReconnect breaks A's connection while the path is frozen: nats.go keeps what A
+	// publishes in its reconnect buffer, and sends it when it reconnects after the heal.
+	faultReconnect
+)
+
+// Relay A runs as a process, and its path to NATS fails while it has publishes in flight (see
+// processFault). Standby B (a process) takes over and publishes those rows. The path heals
+// after the duplicate window: what A sent or buffered reaches the server, which must refuse it.
+func TestFrozenRelayProcessIsFencedOut(t *testing.T) {
 	t.Parallel()
-	replicaCases(t, pausedProcessIsFencedOut)
+	replicaCases(t, func(t *testing.T, replicas int) { processIsFencedOut(t, replicas, faultFrozen) })
 }
 
-func pausedProcessIsFencedOut(t *testing.T, replicas int) {
+func TestPausedRelayProcessIsFencedOut(t *testing.T) {
+	t.Parallel()
+	replicaCases(t, func(t *testing.T, replicas int) { processIsFencedOut(t, replicas, faultFrozenPaused) })
+}
+
+func TestReconnectedRelayProcessIsFencedOut(t *testing.T) {
+	t.Parallel()
+	replicaCases(t, func(t *testing.T, replicas int) { processIsFencedOut(t, replicas, faultReconnect) })
+}
+
+func processIsFencedOut(t *testing.T, replicas int, fault processFault) {
 	b, server := fenceWorld(t, replicas)
 	ctx := ctxT(t, 3*time.Minute)
 	const window = time.Second
@@ -371,24 +256,44 @@ func pausedProcessIsFencedOut(t *testing.T, replicas int) {
 	b.waitStream(t, "AGENT_TURNS", 1, 30*time.Second)
 
 	proxy.Freeze()
+	if fault == faultReconnect {
+		proxy.ResetAll() // reconnects reach the frozen proxy and time out until it heals
+		a.awaitLogged(t, "NATS disconnected")
+	}
 	before := proxy.FromClients()
 	for i := range 2 * len(convs) {
 		_, err := send(ctx, b.db.Pool, convs[i%len(convs)], fmt.Sprintf("held-%d", i))
 		require.NoError(t, err)
 	}
-	require.Eventually(t, func() bool { return proxy.FromClients() > before }, 30*time.Second, 5*time.Millisecond,
-		"relay A never published into the frozen path")
-	require.NoError(t, a.cmd.Process.Signal(syscall.SIGSTOP))
+	if fault != faultReconnect {
+		require.Eventually(t, func() bool { return proxy.FromClients() > before }, 30*time.Second, 5*time.Millisecond,
+			"relay A never published into the frozen path")
+	}
+	if fault == faultFrozenPaused {
+		require.NoError(t, a.cmd.Process.Signal(syscall.SIGSTOP))
+	}
 
 	want := truth(t, b.db.Pool)
 	b.waitStream(t, "AGENT_TURNS", len(want), time.Minute)
 	require.True(t, standby.logged("msg=streaming"), "B published without taking over?")
+	if fault != faultFrozenPaused {
+		a.awaitLogged(t, "relay session ended")
+	}
 	// The duplicate window is a server-side timer: nothing to await but time.
 	time.Sleep(2 * window)
 
 	held := proxy.FromClients()
 	proxy.Unfreeze()
-	require.NoError(t, a.cmd.Process.Signal(syscall.SIGCONT))
+	if fault == faultFrozenPaused {
+		require.NoError(t, a.cmd.Process.Signal(syscall.SIGCONT))
+	}
+	if fault == faultReconnect {
+		// A's session published into nats.go's reconnect buffer, which it sends once it
+		// reconnected after the heal.
+		require.True(t, a.logged("nats_buffered_bytes="), "relay A's session ended without publishes in the reconnect buffer")
+		a.awaitLogged(t, "NATS reconnected")
+		held = proxy.FromClients()
+	}
 	require.Eventually(t, func() bool { return proxy.ToServers() >= held }, 30*time.Second, 5*time.Millisecond,
 		"the proxy never delivered what it held")
 	// The server stores or refuses them within moments: none may become a second copy.

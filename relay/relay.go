@@ -107,7 +107,13 @@ func (r *Relay) Run(ctx context.Context) error {
 			log.Warn("a newer relay session fenced this one out of the streams; its unacknowledged events are left "+
 				"to that session, and this relay takes the relay lock again or stands by", "error", err, "retry_in", wait)
 		default:
-			log.Warn("relay session ended; reconnecting", "error", err, "retry_in", wait)
+			args := []any{"error", err, "retry_in", wait}
+			// Publishes of the session that nats.go still holds for its reconnect: sent when
+			// it reconnects, and refused there by the next session's fence (fence.go).
+			if n, _ := r.cfg.NATS.Buffered(); n > 0 {
+				args = append(args, "nats_buffered_bytes", n)
+			}
+			log.Warn("relay session ended; reconnecting", args...)
 		}
 		if retryIn(ctx, wait) != nil {
 			return nil

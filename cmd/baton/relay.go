@@ -85,7 +85,15 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		nats.ClosedHandler(func(*nats.Conn) { closedOnce.Do(func() { close(closed) }) }),
 		// nats.go prints asynchronous errors (a refused login on a reconnect) raw to stderr
 		// otherwise, outside the configured log format.
-		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { log.Warn("NATS error", "error", err) }))
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { log.Warn("NATS error", "error", err) }),
+		// What is published while disconnected waits in nats.go's reconnect buffer and is sent
+		// on reconnect; a session that ended meanwhile is fenced (relay/fence.go).
+		nats.DisconnectErrHandler(func(nc *nats.Conn, err error) {
+			if !nc.IsClosed() { // closing the connection on exit says nothing
+				log.Warn("NATS disconnected; reconnecting", "error", err)
+			}
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) { log.Info("NATS reconnected", "server", nc.ConnectedUrlRedacted()) }))
 	if err != nil {
 		return reportFailure(log, err, 0)
 	}

@@ -38,25 +38,38 @@ type ClusterNode struct {
 	// StoreDir is where the node keeps its streams and its Raft logs.
 	StoreDir string
 
-	routes []*url.URL
-	mu     sync.Mutex
-	srv    *server.Server // nil when stopped
+	routes   []*url.URL
+	noAdvert bool
+	mu       sync.Mutex
+	srv      *server.Server // nil when stopped
 }
+
+// ClusterOption changes how StartCluster starts its nodes.
+type ClusterOption func(*ClusterNode)
+
+// NoAdvertise keeps the nodes from telling clients of one another (the cluster's
+// no_advertise): a client reaches only the URLs it was given, so a test's proxy in front of one
+// node is its only path, also across reconnects.
+func NoAdvertise() ClusterOption { return func(n *ClusterNode) { n.noAdvert = true } }
 
 // StartCluster starts a cluster of n nodes (3 for replicated streams that survive one node's
 // loss) and waits until it has elected a JetStream meta leader; the cluster stops when the
 // test ends. It ignores BATON_TEST_NATS_URL: a test that stops nodes needs nodes of its own.
-func StartCluster(t testing.TB, n int) *Cluster {
+func StartCluster(t testing.TB, n int, opts ...ClusterOption) *Cluster {
 	t.Helper()
 	c := &Cluster{}
 	ports := freePorts(t, 2*n)
 	for i := range n {
-		c.Nodes = append(c.Nodes, &ClusterNode{
+		node := &ClusterNode{
 			Name:        fmt.Sprintf("baton-n%d", i),
 			Port:        ports[2*i],
 			ClusterPort: ports[2*i+1],
 			StoreDir:    t.TempDir(),
-		})
+		}
+		for _, o := range opts {
+			o(node)
+		}
+		c.Nodes = append(c.Nodes, node)
 	}
 	for _, node := range c.Nodes {
 		for _, other := range c.Nodes {
@@ -235,9 +248,10 @@ func (n *ClusterNode) Start() error {
 		SyncAlways:   true,
 		SyncInterval: 2 * time.Minute,
 		Cluster: server.ClusterOpts{
-			Name: ClusterName,
-			Host: "127.0.0.1",
-			Port: n.ClusterPort,
+			Name:        ClusterName,
+			Host:        "127.0.0.1",
+			Port:        n.ClusterPort,
+			NoAdvertise: n.noAdvert,
 		},
 		Routes: n.routes,
 		NoSigs: true,
