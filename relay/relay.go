@@ -107,13 +107,9 @@ func (r *Relay) Run(ctx context.Context) error {
 			log.Warn("a newer relay session fenced this one out of the streams; its unacknowledged events are left "+
 				"to that session, and this relay takes the relay lock again or stands by", "error", err, "retry_in", wait)
 		default:
-			args := []any{"error", err, "retry_in", wait}
-			// Publishes of the session that nats.go still holds for its reconnect: sent when
-			// it reconnects, and refused there by the next session's fence (fence.go).
-			if n, _ := r.cfg.NATS.Buffered(); n > 0 {
-				args = append(args, "nats_buffered_bytes", n)
-			}
-			log.Warn("relay session ended; reconnecting", args...)
+			// Not nc.Buffered(): it waits for nats.go's lock, which a write stuck on a stalled
+			// server holds for up to the flusher timeout.
+			log.Warn("relay session ended; reconnecting", "error", err, "retry_in", wait)
 		}
 		if retryIn(ctx, wait) != nil {
 			return nil
