@@ -83,6 +83,11 @@ type Config struct {
 	AckTimeout time.Duration
 	// StatusInterval is how often the confirmed LSN is reported to Postgres. Default 1s.
 	StatusInterval time.Duration
+	// MinSilence is the least time a status update may go unanswered before the relay looks
+	// at its walsender from its other connection: busy decoding (a neighbour's large
+	// transaction) it waits on, anything else ends the session. The bound is max(3 ×
+	// StatusInterval, MinSilence). Default 10s.
+	MinSilence time.Duration
 	// StandbyPoll is how often a standby relay checks whether the slot became free. Default 1s.
 	StandbyPoll time.Duration
 	// StaleLockAfter is how long a standby lets the slot stay inactive (no walsender streams
@@ -270,6 +275,7 @@ func (c *Config) fill() error {
 	}
 	defDur(&c.AckTimeout, 10*time.Second)
 	defDur(&c.StatusInterval, time.Second)
+	defDur(&c.MinSilence, 10*time.Second)
 	defDur(&c.StandbyPoll, time.Second)
 	defDur(&c.StaleLockAfter, 10*time.Second)
 	defDur(&c.SetupTimeout, 10*time.Second)

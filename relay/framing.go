@@ -42,6 +42,10 @@ type cutFrames struct {
 	keep    int    // body bytes of the message being cut still to gather into kept
 	cutSize int    // the real body size of the message being cut
 	seq     uint64 // CopyData messages seen
+	// received counts the bytes read from r: bytes arriving are life, also those of a
+	// message still arriving or being cut (see reader.checkSilence). Only the reader's
+	// goroutine, which reads through f, uses it.
+	received int64
 
 	mu  sync.Mutex
 	cut map[uint64]int // sequence number (1-based) of a cut CopyData → its real body size
@@ -213,6 +217,7 @@ func (f *cutFrames) fill() error {
 		}
 	}
 	m, err := f.r.Read(f.buf[f.end:])
+	f.received += int64(m)
 	if m < bulkLittle {
 		f.lastSmall = time.Now()
 	} else {

@@ -13,7 +13,7 @@ func TestSilenceBound(t *testing.T) {
 		{time.Second, 10 * time.Second},
 		{5 * time.Second, 15 * time.Second},
 	} {
-		require.Equal(t, tc.want, silenceBound(tc.interval), "interval %v", tc.interval)
+		require.Equal(t, tc.want, silenceBound(tc.interval, 10*time.Second), "interval %v", tc.interval)
 	}
 }
 

@@ -21,6 +21,7 @@ type metrics struct {
 	commitToAck                        prometheus.Histogram
 	confirmedLSN                       prometheus.Gauge
 	slotLagBytes                       prometheus.Gauge
+	walsenderBusy                      prometheus.Gauge
 	inFlight                           prometheus.Gauge
 	inFlightBytes                      prometheus.Gauge
 	active                             prometheus.Gauge
@@ -72,6 +73,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		slotLagBytes: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_relay_slot_lag_bytes", Help: "Bytes between the server's WAL end and the confirmed LSN, as of the last keepalive.",
 		}),
+		walsenderBusy: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_relay_walsender_busy",
+			Help: "1 while the relay waits on its walsender, seen busy decoding (a large transaction) and answering no status update.",
+		}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_relay_in_flight", Help: "Events published or queued and not yet acknowledged.",
 		}),
@@ -120,7 +125,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.events, m.omitted, m.replaySkipped, m.traceDropped, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
-			m.slotLagBytes, m.inFlight, m.inFlightBytes, m.active, m.batched, m.batching, m.switches, m.reconnects, m.errors, m.slotLost, m.fatal, m.streamFull)
+			m.slotLagBytes, m.walsenderBusy, m.inFlight, m.inFlightBytes, m.active, m.batched, m.batching, m.switches, m.reconnects, m.errors, m.slotLost, m.fatal, m.streamFull)
 	}
 	return m
 }

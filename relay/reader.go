@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/nats-io/nats.go"
@@ -43,7 +44,12 @@ type reader struct {
 	txLSN []string
 
 	live       liveness // whether the walsender answered the status updates
-	answersDue int      // status updates sent whose answer (a keepalive) has not arrived
+	heardBytes int64    // frames.received when the reader last counted bytes as life
+	// side is the session's other connection, which the reader owns while it streams:
+	// where it looks at its walsender when the stream is silent (see walsenderBusy).
+	side       *pgx.Conn
+	busy       bool // the last look found the walsender busy
+	answersDue int  // status updates sent whose answer (a keepalive) has not arrived
 	// backlogEnd is the WAL the server had flushed when the session took the slot: the
 	// walsender sends all of it without waiting, so a keepalive before it is no sign of
 	// being caught up, whatever answersDue says (see handleCopyData).
@@ -63,7 +69,7 @@ func (r *Relay) newReader(repl *pgconn.PgConn, frames *cutFrames, p *pipeline) *
 		frames:     frames,
 		dec:        newDecoder(cfg.Schema, cfg.SubjectPrefix, r.eventPayload()),
 		confirmed:  &r.confirmed,
-		live:       liveness{bound: silenceBound(cfg.StatusInterval)},
+		live:       liveness{bound: silenceBound(cfg.StatusInterval, cfg.MinSilence)},
 		nextStatus: time.Now(),
 	}
 }
@@ -122,7 +128,7 @@ func (rd *reader) receive(ctx, gctx context.Context) error {
 			if _, err := rd.decideReplay(ctx, gctx); err != nil {
 				return err
 			}
-			return rd.checkSilence(time.Now())
+			return rd.checkSilence(gctx, time.Now())
 		}
 		rd.m.errors.WithLabelValues("postgres").Inc()
 		return fmt.Errorf("receive replication message: %w", err)
@@ -141,21 +147,112 @@ func (rd *reader) receive(ctx, gctx context.Context) error {
 
 // checkSilence is called when a read found nothing to read before its deadline. A dead path
 // (a host or middlebox that drops packets and keeps the socket open) looks like this forever;
-// an idle database does not, because the walsender answers every status update. It returns
-// errSilent once the oldest unanswered update is older than the liveness bound.
-func (rd *reader) checkSilence(now time.Time) error {
-	if dead, waited := rd.live.dead(now); dead {
-		rd.m.errors.WithLabelValues("liveness").Inc()
-		return fmt.Errorf("%w: no answer from the walsender for %s (bound %s); reconnecting",
-			errSilent, waited.Round(time.Millisecond), rd.live.bound)
+// an idle database does not, because the walsender answers every status update. Neither does
+// a slow path bringing one huge message: bytes arriving are life, whole messages or not. Once
+// the oldest unanswered update is older than the liveness bound, the reader looks at its
+// walsender from its other connection: busy decoding, it waits another bound; anything else
+// (gone, waiting on the relay's socket or for WAL, or no answer from the server within the
+// look's own deadline) ends the session with errSilent.
+func (rd *reader) checkSilence(gctx context.Context, now time.Time) error {
+	if rd.frames.received != rd.heardBytes {
+		rd.heardBytes = rd.frames.received
+		rd.live.heard()
+		return nil
 	}
-	return nil
+	dead, waited := rd.live.dead(now)
+	if !dead {
+		return nil
+	}
+	look, err := rd.walsenderBusy(gctx)
+	if err == nil && look.busy {
+		rd.live.waitedOn(now)
+		if !rd.busy {
+			rd.cfg.Logger.Info("the walsender is busy decoding (a large transaction?) and answers no status update meanwhile; waiting",
+				"pid", rd.repl.PID(), "wait_event", look.waitEvent, "decoded_lsn", look.sentLSN, "silent_for", waited.Round(time.Millisecond))
+		}
+		rd.busy = true
+		rd.m.walsenderBusy.Set(1)
+		return nil
+	}
+	rd.m.errors.WithLabelValues("liveness").Inc()
+	why := look.String()
+	if err != nil {
+		why = err.Error()
+	}
+	return fmt.Errorf("%w: no answer from the walsender for %s (bound %s), and it is not busy decoding (%s); reconnecting",
+		errSilent, waited.Round(time.Millisecond), rd.live.bound, why)
+}
+
+// walsenderLook is what the session's other connection saw of its walsender.
+type walsenderLook struct {
+	found               bool
+	busy                bool
+	state               string
+	waitType, waitEvent string
+	sentLSN             string
+}
+
+func (l walsenderLook) String() string {
+	if !l.found {
+		return "its backend is gone"
+	}
+	return fmt.Sprintf("state %q, wait event %q/%q", l.state, l.waitType, l.waitEvent)
+}
+
+// walsenderLookTimeout bounds the look at the walsender: a path that lost the replication
+// connection's packets may well lose the other connection's too.
+const walsenderLookTimeout = 5 * time.Second
+
+// walsenderBusy looks at the session's walsender (the replication connection's backend) in
+// pg_stat_activity, which shows every column of a role's own sessions to that role. It is
+// busy when it works on something of its own: on the CPU (no wait event), reading WAL or
+// spilled changes, or waiting on a lock. It is not when it waits on the relay's socket (wait
+// type Client: a path that stopped carrying its bytes) or sits in its main loop or waiting for
+// WAL, where it would have read and answered the status updates.
+func (rd *reader) walsenderBusy(gctx context.Context) (walsenderLook, error) {
+	var look walsenderLook
+	if rd.side == nil {
+		return look, errors.New("no connection to look at the walsender from")
+	}
+	ctx, cancel := context.WithTimeout(gctx, walsenderLookTimeout)
+	defer cancel()
+	var state, waitType, waitEvent, sent *string
+	err := rd.side.QueryRow(ctx, `SELECT a.state, a.wait_event_type, a.wait_event, r.sent_lsn::text
+		FROM pg_stat_activity a LEFT JOIN pg_stat_replication r ON r.pid = a.pid
+		WHERE a.pid = $1`, rd.repl.PID()).Scan(&state, &waitType, &waitEvent, &sent)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return look, nil
+	}
+	if err != nil {
+		rd.m.errors.WithLabelValues("postgres").Inc()
+		return look, fmt.Errorf("look at the walsender (pid %d): %w", rd.repl.PID(), err)
+	}
+	deref := func(s *string) string {
+		if s == nil {
+			return ""
+		}
+		return *s
+	}
+	look = walsenderLook{found: true, state: deref(state), waitType: deref(waitType), waitEvent: deref(waitEvent), sentLSN: deref(sent)}
+	switch {
+	case state == nil:
+		// Another role's session: its state is not shown (no pg_read_all_stats).
+	case look.waitType == "Client", look.waitEvent == "WalSenderMain", look.waitEvent == "WalSenderWaitForWAL":
+	default:
+		look.busy = true
+	}
+	return look, nil
 }
 
 // handleCopyData parses one CopyData message and hands its item to the pipeline. A keepalive
 // also updates the slot lag and, when the server asks, is answered with a status update.
 func (rd *reader) handleCopyData(ctx, gctx context.Context, data []byte) error {
 	rd.live.heard()
+	rd.heardBytes = rd.frames.received
+	if rd.busy {
+		rd.busy = false
+		rd.m.walsenderBusy.Set(0)
+	}
 	rd.copies++
 	var cd copyData
 	var err error

@@ -486,7 +486,7 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 	r.active.Store(true)
 	r.healthy.Store(true)
 	r.m.active.Set(1)
-	return r.replicate(ctx, repl, frames, replay, flushed)
+	return r.replicate(ctx, conn, repl, frames, replay, flushed)
 }
 
 // lsnText scans an LSN printed as text ("0/16B3748").
@@ -502,9 +502,9 @@ func (l lsnText) Scan(src any) error {
 	return err
 }
 
-// replicate runs the reader (which owns the replication connection) and the pipeline until
-// one fails or ctx ends.
-func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutFrames, replay *replayCheck, flushed pglogrepl.LSN) error {
+// replicate runs the reader (which owns the replication connection, and conn while it
+// streams) and the pipeline until one fails or ctx ends.
+func (r *Relay) replicate(ctx context.Context, conn *pgx.Conn, repl *pgconn.PgConn, frames *cutFrames, replay *replayCheck, flushed pglogrepl.LSN) error {
 	cfg := &r.cfg
 	p := newPipeline(cfg, r.m, &r.confirmed, natsSender(cfg.NATS), r.batched)
 	p.fence, p.atomic = r.fence, r.atomic
@@ -521,7 +521,7 @@ func (r *Relay) replicate(ctx context.Context, repl *pgconn.PgConn, frames *cutF
 		return err
 	})
 	rd := r.newReader(repl, frames, p)
-	rd.replay, rd.backlogEnd = replay, flushed
+	rd.replay, rd.backlogEnd, rd.side = replay, flushed, conn
 	g.Go(func() error { return rd.run(ctx, gctx) })
 	return g.Wait()
 }

@@ -45,6 +45,10 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 	staleLock := fs.Duration("stale-lock-after", 10*time.Second, "as standby, take over once the active relay's session has sat idle holding the relay lock\n"+
 		"with nothing streaming from the slot for this long (its host vanished); takeover takes about\n"+
 		"wal_sender_timeout + this")
+	statusInterval := fs.Duration("status-interval", time.Second, "how often the relay reports its confirmed position to Postgres (and asks for an answer)")
+	minSilence := fs.Duration("min-silence", 10*time.Second, "how long a status update to Postgres may go unanswered, no byte arriving, before the relay\n"+
+		"looks at its walsender from its other connection: busy decoding (a neighbour's large transaction)\n"+
+		"it waits on, gone or stuck on the connection it ends the session (at least 3 status intervals)")
 	shard := fs.String("shard", "", "run as shard `K/N` of N sharded relays: stream publication <publication>_K (made by\n"+
 		"baton migrate --shards N) from slot <slot>_K; one active relay (plus standbys) per shard")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
@@ -117,6 +121,8 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		DrainTimeout:     *drain,
 		RecreateSlot:     *recreateSlot,
 		StaleLockAfter:   *staleLock,
+		MinSilence:       *minSilence,
+		StatusInterval:   *statusInterval,
 		Logger:           log,
 		Registerer:       reg,
 	})

@@ -24,10 +24,12 @@ type Proxy struct {
 	done   chan struct{} // closed when the proxy stops
 	wg     sync.WaitGroup
 	// latency is the delay of every forwarded chunk, in nanoseconds.
-	latency atomic.Int64
+	latency   atomic.Int64
+	replyRate atomic.Int64 // bytes a second from the servers, 0 for no limit
 	// fromClients counts the bytes read from clients, forwarded or held; toServers, those
 	// written to the servers.
 	fromClients, toServers atomic.Int64
+	toClients              atomic.Int64 // bytes written to the clients
 
 	mu     sync.Mutex
 	links  map[*link]struct{}
@@ -160,6 +162,13 @@ func (p *Proxy) FromClients() int64 { return p.fromClients.Load() }
 // reaches FromClients once everything held was delivered.
 func (p *Proxy) ToServers() int64 { return p.toServers.Load() }
 
+// ToClients returns how many bytes the proxy has written to its clients.
+func (p *Proxy) ToClients() int64 { return p.toClients.Load() }
+
+// SetReplyRate limits what the proxy forwards from the servers to perSecond bytes a second
+// (0: no limit), as a slow link would.
+func (p *Proxy) SetReplyRate(perSecond int64) { p.replyRate.Store(perSecond) }
+
 // SetLatency delays every forwarded chunk by d (0: none), in both directions.
 func (p *Proxy) SetLatency(d time.Duration) { p.latency.Store(int64(d)) }
 
@@ -239,7 +248,21 @@ func (p *Proxy) pipe(l *link, dst, src net.Conn, fromServer bool) {
 	defer l.close()
 	buf := make([]byte, 32<<10)
 	for {
-		n, err := src.Read(buf)
+		chunk := buf
+		rate := p.replyRate.Load()
+		if fromServer && rate > 0 {
+			chunk = buf[:max(1, min(int64(len(buf)), rate/20))] // about 20 writes a second
+		}
+		n, err := src.Read(chunk)
+		if n > 0 && fromServer && rate > 0 {
+			select {
+			case <-time.After(time.Duration(int64(n) * int64(time.Second) / rate)):
+			case <-l.done:
+				return
+			case <-p.done:
+				return
+			}
+		}
 		if n > 0 && !fromServer {
 			p.fromClients.Add(int64(n))
 		}
@@ -257,7 +280,9 @@ func (p *Proxy) pipe(l *link, dst, src net.Conn, fromServer bool) {
 			if _, err := dst.Write(buf[:n]); err != nil {
 				return
 			}
-			if !fromServer {
+			if fromServer {
+				p.toClients.Add(int64(n))
+			} else {
 				p.toServers.Add(int64(n))
 			}
 		}

@@ -1,0 +1,90 @@
+package relay_test
+
+// A neighbour: another user of the relay's database, doing what any role may (DESIGN
+// invariant 12). Nothing it does may stop the relay.
+
+import (
+	"fmt"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+)
+
+// neighbourURL returns the database URL with logical_decoding_work_mem at its least (64 kB)
+// for the relay's sessions, the walsender's among them: a large transaction's changes spill
+// to disk, and decoding it keeps the walsender busy longer, as a larger one would on a faster
+// machine.
+func neighbourURL(t *testing.T, dbURL string) string {
+	t.Helper()
+	u, err := url.Parse(dbURL)
+	require.NoError(t, err)
+	q := u.Query()
+	q.Set("options", "-c logical_decoding_work_mem=64kB")
+	// Spaces as %20: pgx reads a + in the query as itself.
+	u.RawQuery = strings.ReplaceAll(q.Encode(), "+", "%20")
+	return u.String()
+}
+
+// A neighbour inserts a million rows into a table of its own (outside the publication) in one
+// transaction. The walsender decodes it for seconds and answers no status update meanwhile
+// (it reads replies only every wal_sender_timeout/2): a relay that takes that silence for a
+// dead path ends the session, and the next walsender decodes the same transaction again, for
+// ever. The relay must see its walsender busy from its other connection and wait, and relay
+// the outbox row committed after it, in the same session.
+func TestNeighboursBulkTransactionDoesNotStopTheRelay(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := ctxT(t, 5*time.Minute)
+	createConversations(t, b.db.Pool, "c")
+	_, err := b.db.Pool.Exec(ctx, `CREATE TABLE neighbour_bulk (id bigint, pad text)`)
+	require.NoError(t, err)
+	p := b.startAdvProcess(t, neighbourURL(t, b.db.URL), b.nats.URL(), "--status-interval", "250ms", "--min-silence", "1s")
+	p.awaitLogged(t, "msg=streaming")
+
+	const rows = 2_000_000
+	started := time.Now()
+	_, err = b.db.Pool.Exec(ctx, fmt.Sprintf(`INSERT INTO neighbour_bulk SELECT g, 'neighbour' FROM generate_series(1, %d) g`, rows))
+	require.NoError(t, err)
+	_, err = send(ctx, b.db.Pool, "c", "after-the-bulk")
+	require.NoError(t, err)
+	b.waitStream(t, "AGENT_TURNS", 1, 3*time.Minute)
+	t.Logf("the outbox row after %d neighbour rows relayed %s after the bulk insert began", rows, time.Since(started).Round(time.Millisecond))
+	require.True(t, p.logged("the walsender is busy decoding"), "the walsender was never busy long enough to test anything")
+	require.False(t, p.logged("relay session ended"), "the relay ended its session on a busy walsender")
+}
+
+// A neighbour emits a logical message of its own prefix far larger than --max-change-bytes,
+// and Postgres is reached over a slow link (1 MiB/s): the relay cuts the message as it arrives
+// and drops its bytes, so no whole CopyData comes for seconds. Bytes arriving are life: a
+// relay that counts only whole messages ends every session at the same LSN, for ever.
+func TestHugeLogicalMessageOverASlowLinkIsLife(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := ctxT(t, 3*time.Minute)
+	createConversations(t, b.db.Pool, "c")
+	proxy, viaProxy := proxied(t, b.db.URL)
+	b.cfg.DatabaseURL = viaProxy
+	b.cfg.MaxChangeBytes = 1 << 20
+	b.cfg.MinSilence = time.Second // the bundle's status interval is 100ms
+	reg := prometheus.NewRegistry()
+	b.cfg.Registerer = reg
+	r := b.start(t)
+	require.Eventually(t, r.Active, time.Minute, 5*time.Millisecond, "the relay never streamed")
+
+	proxy.SetReplyRate(1 << 20)
+	const size = 6 << 20 // six seconds on the link
+	before := proxy.ToClients()
+	_, err := b.db.Pool.Exec(ctx, `SELECT pg_logical_emit_message(true, 'neighbour.blob', repeat('x', $1))`, size)
+	require.NoError(t, err)
+	_, err = send(ctx, b.db.Pool, "c", "after-the-blob")
+	require.NoError(t, err)
+	started := time.Now()
+	b.waitStream(t, "AGENT_TURNS", 1, 2*time.Minute)
+	t.Logf("relayed %s after the message", time.Since(started).Round(time.Millisecond))
+	require.Greater(t, proxy.ToClients()-before, int64(size), "the message never crossed the slow link")
+	require.Zero(t, counter(t, reg, "baton_relay_reconnects_total", ""), "a session ended while the message arrived")
+}
