@@ -11,7 +11,7 @@ GOLANGCI_LINT_VERSION := v2.15.0
 GOLANGCI_LINT ?= $(firstword $(subst :, ,$(shell $(GO) env GOPATH)))/bin/golangci-lint
 
 .DEFAULT_GOAL := help
-.PHONY: conflict-check help test lint fmt-check vet golangci-lint golangci-lint-install bench demo build fuzz screenshots
+.PHONY: conflict-check help test test-long lint fmt-check vet golangci-lint golangci-lint-install bench demo build fuzz screenshots
 
 help: ## list the targets
 	@awk 'BEGIN { FS = ":.*## " } /^[a-zA-Z_-]+:.*## / { printf "  %-8s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
@@ -30,6 +30,12 @@ test: lint ## make lint, every test with the race detector (needs PostgreSQL ser
 		$(GO) mod download -modfile=$$d/graph.mod all; s=$$?; rm -rf $$d; exit $$s
 	$(GO) test -race -count=1 -timeout 20m $(SLOWEST_PACKAGES) ./...
 	$(MAKE) --no-print-directory fuzz
+
+# The long tier: tests at the sizes reviewers reproduced defects with (a neighbour's
+# 10-million-row transaction), too heavy for CI's time budget. Files tagged `long`; run before
+# resolving an issue that touches what they cover.
+test-long: ## the long tier (go test -tags long -run Long): heavy sizes CI does not run
+	$(GO) test -tags long -count=1 -timeout 60m -run 'Long' ./...
 
 # Each fuzz target runs FUZZTIME on top of its seeds and its checked-in corpus
 # (testdata/fuzz/<target>/). A failure writes the failing input there: commit it with the fix.

@@ -37,21 +37,29 @@ func neighbourURL(t *testing.T, dbURL string) string {
 // the outbox row committed after it, in the same session.
 func TestNeighboursBulkTransactionDoesNotStopTheRelay(t *testing.T) {
 	t.Parallel()
+	// At a 1s bound 2 million rows keep the walsender busy long enough; 10 million at the
+	// default bound live in the long tier (neighbour_long_test.go).
+	bulkBesideTheRelay(t, 2_000_000, "--status-interval", "250ms", "--min-silence", "1s")
+}
+
+// bulkBesideTheRelay commits rows rows into a neighbour's table in one transaction beside a
+// relay process started with args, then an outbox row, and requires the relay to relay it in
+// the session it had, having seen its walsender busy.
+func bulkBesideTheRelay(t *testing.T, rows int, args ...string) {
 	b := setup(t)
-	ctx := ctxT(t, 5*time.Minute)
+	ctx := ctxT(t, 10*time.Minute)
 	createConversations(t, b.db.Pool, "c")
 	_, err := b.db.Pool.Exec(ctx, `CREATE TABLE neighbour_bulk (id bigint, pad text)`)
 	require.NoError(t, err)
-	p := b.startAdvProcess(t, neighbourURL(t, b.db.URL), b.nats.URL(), "--status-interval", "250ms", "--min-silence", "1s")
+	p := b.startAdvProcess(t, neighbourURL(t, b.db.URL), b.nats.URL(), args...)
 	p.awaitLogged(t, "msg=streaming")
 
-	const rows = 2_000_000
 	started := time.Now()
 	_, err = b.db.Pool.Exec(ctx, fmt.Sprintf(`INSERT INTO neighbour_bulk SELECT g, 'neighbour' FROM generate_series(1, %d) g`, rows))
 	require.NoError(t, err)
 	_, err = send(ctx, b.db.Pool, "c", "after-the-bulk")
 	require.NoError(t, err)
-	b.waitStream(t, "AGENT_TURNS", 1, 3*time.Minute)
+	b.waitStream(t, "AGENT_TURNS", 1, 5*time.Minute)
 	t.Logf("the outbox row after %d neighbour rows relayed %s after the bulk insert began", rows, time.Since(started).Round(time.Millisecond))
 	require.True(t, p.logged("the walsender is busy decoding"), "the walsender was never busy long enough to test anything")
 	require.False(t, p.logged("relay session ended"), "the relay ended its session on a busy walsender")
