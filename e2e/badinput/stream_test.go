@@ -93,9 +93,9 @@ func TestOperatorDeletesStreams(t *testing.T) {
 			s.db.Name, end).Scan(&past)
 		return err == nil && past
 	}, time.Minute, 20*time.Millisecond, "the relay never confirmed the rows committed after the deletion")
-	// And the workers took and acked every event of the new stream.
-	s.requireEventsAcked()
+	// And the workers took and acked every event of the new stream, the flowing row's among them.
 	s.requireFlowing("deleted-streams")
+	s.requireEventsAcked()
 	requireNoErrorLogs(t, s.relay, s.worker)
 }
 
@@ -130,8 +130,11 @@ func TestOperatorDeletesTurnsStreamDuringBurst(t *testing.T) {
 	}, time.Minute, time.Millisecond)
 	require.NoError(t, s.js.DeleteStream(ctx, "AGENT_TURNS"))
 	s.requireAllAnswered(90 * time.Second)
-	s.requireEventsAcked()
+	// A row the workers' sweep answered before the relay's next session is owed no turn event
+	// (the relay's replay check skips it): the stream may hold none of the burst. The flowing
+	// row's event, published after the workers' consumer exists, is one it takes.
 	s.requireFlowing("deleted-during-burst")
+	s.requireEventsAcked()
 	requireNoErrorLogs(t, s.relay, s.worker)
 }
 
