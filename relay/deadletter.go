@@ -19,6 +19,26 @@ func deadLetterMsg(prefix, kind, table, reason string, lsn pglogrepl.LSN, nth in
 	return deadLetterMsgWithID(prefix, wire.DeadLetterNthMsgID(lsn.String(), nth), kind, table, reason, lsn, raw, maxPayload)
 }
 
+// inShard makes d the decoder of shard of shards sharded relays (Config.Shard, Config.Shards;
+// shards 0: not sharded), for the ids of its dead-letter records (deadLetterID), and returns d.
+func (d *decoder) inShard(shard, shards int) *decoder {
+	d.shard, d.shards = shard, shards
+	return d
+}
+
+// deadLetterID is the Nats-Msg-Id of the dead-letter record of the change being decoded, the
+// nth at its position: wire.DeadLetterNthMsgID, or for a sharded relay
+// wire.DeadLetterShardMsgID. A shard numbers only the changes its publication sends it, so the
+// shard's nth change at a position may be another row than another shard's nth there: the
+// shard in the id keeps their records apart. A logical decoding message, which every shard
+// receives, gets one record per shard.
+func (d *decoder) deadLetterID() string {
+	if d.shards == 0 {
+		return wire.DeadLetterNthMsgID(d.at.String(), d.nth)
+	}
+	return wire.DeadLetterShardMsgID(d.shard, d.shards, d.at.String(), d.nth)
+}
+
 // deadLetterMsgWithID builds a dead-letter record with Nats-Msg-Id msgID, on
 // <prefix>.deadletter.<kind>, no larger than maxPayload (0: no limit): Raw is cut to
 // wire.MaxDeadLetterRaw bytes, and further until the record fits; under an absurdly small max

@@ -81,6 +81,8 @@ type decoder struct {
 	at  pglogrepl.LSN // the WAL position of the message being decoded (decodeAt)
 	nth int           // which insert or logical message at that position it is, from 0
 	raw []byte        // the message being decoded
+
+	shard, shards int // a sharded relay's shard, for dead-letter ids (inShard; shards 0: not sharded)
 }
 
 // tupleColumn is one column of a pgoutput tuple: kind 'n' (null), 'u' (unchanged TOAST),
@@ -250,7 +252,7 @@ func (d *decoder) deadLetter(kind, table, reason string, raw []byte) item {
 func (d *decoder) deadLetterSized(kind, table, reason string, raw []byte, size int) item {
 	return item{
 		kind:       itemEvent,
-		msg:        deadLetterMsgSized(d.prefix, wire.DeadLetterNthMsgID(d.at.String(), d.nth), kind, table, reason, d.at, raw, size, d.maxPayload),
+		msg:        deadLetterMsgSized(d.prefix, d.deadLetterID(), kind, table, reason, d.at, raw, size, d.maxPayload),
 		deadLetter: kind,
 		reason:     reason,
 	}

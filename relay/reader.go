@@ -67,7 +67,7 @@ func (r *Relay) newReader(repl *pgconn.PgConn, frames *cutFrames, p *pipeline) *
 		conn:       repl.Conn(),
 		p:          p,
 		frames:     frames,
-		dec:        newDecoder(cfg.Schema, cfg.SubjectPrefix, r.eventPayload()),
+		dec:        newDecoder(cfg.Schema, cfg.SubjectPrefix, r.eventPayload()).inShard(cfg.Shard, cfg.Shards),
 		confirmed:  &r.confirmed,
 		live:       liveness{bound: silenceBound(cfg.StatusInterval, cfg.MinSilence)},
 		nextStatus: time.Now(),

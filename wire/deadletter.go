@@ -60,6 +60,25 @@ func DeadLetterNthMsgID(lsn string, n int) string {
 	return DeadLetterMsgID(lsn) + ":" + strconv.Itoa(n)
 }
 
+// DeadLetterShardMsgID is the Nats-Msg-Id of the dead-letter record that shard shard of
+// shards sharded relays (baton relay --shard <shard>/<shards>) makes of the nth (from 0) change
+// at lsn in its own stream of changes: "deadletter:shard:<shard>/<shards>:<lsn>", and
+// "deadletter:shard:<shard>/<shards>:<lsn>:<n>" for n > 0, DeadLetterNthMsgID's forms after the
+// shard. A shard numbers only the changes its publication sends it, so two shards may each
+// have an nth change at one position (two rows of one COPY, one in each shard): the shard in
+// the id keeps their records apart, where DeadLetterNthMsgID's id would let JetStream drop the
+// second as a duplicate. A replay of the shard's slot sends the same changes in the same
+// order, so each record keeps its id and is deduplicated. A change every shard receives (a
+// logical decoding message) gets one record per shard. A relay that is not sharded uses
+// DeadLetterNthMsgID.
+func DeadLetterShardMsgID(shard, shards int, lsn string, n int) string {
+	id := "deadletter:shard:" + strconv.Itoa(shard) + "/" + strconv.Itoa(shards) + ":" + lsn
+	if n == 0 {
+		return id
+	}
+	return id + ":" + strconv.Itoa(n)
+}
+
 // DeadLetterBackfillMsgID is the Nats-Msg-Id of the dead-letter record of the outbox row
 // outboxID when the first-start backfill set it aside: such a row has no WAL position, and a
 // backfill run again (after a relay died during it) is deduplicated like its turn events.

@@ -95,7 +95,15 @@
 // DeadLetterOutcome, with Nats-Msg-Id DeadLetterMsgID ("deadletter:<lsn>"; DeadLetterNthMsgID
 // "deadletter:<lsn>:<n>" for a further change at the same position) or, for a row the
 // relay's first-start backfill set aside, DeadLetterBackfillMsgID
-// ("deadletter:backfill:<outbox id>").
+// ("deadletter:backfill:<outbox id>"). A sharded relay (baton relay --shard K/N) names its
+// records of changes with DeadLetterShardMsgID instead ("deadletter:shard:<K>/<N>:<lsn>", and
+// "deadletter:shard:<K>/<N>:<lsn>:<n>"): a shard numbers the changes at a position among the
+// ones its publication sends it, so two shards' records at one position (two rows of one COPY)
+// would otherwise share an id, and JetStream would drop the second as a duplicate. A record
+// keeps its id when the same shard replays its change, and is deduplicated. A logical decoding
+// message reaches every shard's slot: a malformed answers message gives one record per shard
+// (N records, each with its shard's id), whenever each shard decodes it; one id for all would
+// merge them only within the duplicate window.
 //
 // # Subscribing to outcomes
 //
