@@ -1,10 +1,12 @@
 package relay
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -74,9 +76,11 @@ type decoder struct {
 
 	relations map[uint32]*relation
 	// answers maps a reply's message id to the outbox ids it answers, for the current
-	// transaction (see wire.AnswersPrefix).
-	answers map[string][]int64
-	cols    []tupleColumn // reused by every insert
+	// transaction (see wire.AnswersPrefix); answersBytes is what they hold (answers.size),
+	// at most maxTxAnswersBytes.
+	answers      map[string]answers
+	answersBytes int
+	cols         []tupleColumn // reused by every insert
 
 	at  pglogrepl.LSN // the WAL position of the message being decoded (decodeAt)
 	nth int           // which insert or logical message at that position it is, from 0
@@ -287,45 +291,170 @@ func (d *decoder) decode(walData []byte) (item, error) {
 	case *pglogrepl.RelationMessage:
 		d.relations[m.RelationID] = newRelation(m, d.schema)
 	case *pglogrepl.BeginMessage:
-		d.answers = nil
+		d.answers, d.answersBytes = nil, 0
 		return item{kind: itemBegin, lsn: m.FinalLSN, commitTime: m.CommitTime}, nil
 	case *pglogrepl.CommitMessage:
-		d.answers = nil
+		d.answers, d.answersBytes = nil, 0
 		return item{kind: itemCommit, lsn: m.TransactionEndLSN, commitTime: m.CommitTime}, nil
 	case *pglogrepl.LogicalDecodingMessage:
 		if m.Transactional && m.Prefix == wire.AnswersPrefix {
-			// Any role can emit this message: a malformed one only loses the optional ids it
-			// would have added, and is set aside.
-			a, err := parseAnswers(m.Content)
-			if err != nil {
-				return d.deadLetter(wire.DeadLetterAnswers, "", err.Error(), m.Content), nil
-			}
-			if d.answers == nil {
-				d.answers = map[string][]int64{}
-			}
-			d.answers[a.MessageID] = a.OutboxIDs
+			return d.answer(m.Content), nil
 		}
 	}
 	return item{}, nil
 }
 
-// answers is the content of a wire.AnswersPrefix message.
-type answers struct {
-	MessageID string  `json:"message_id"`
-	OutboxIDs []int64 `json:"outbox_ids"`
+// maxTxAnswersBytes bounds what the decoder holds of one transaction's wire.AnswersPrefix
+// messages (answers.size of each held message): 16 MiB. A worker's transaction holds one
+// message per reply it commits, of a few hundred bytes to 8 KiB of ids each (a thousand
+// ids at most are held per message); the bound only stops what another role may emit,
+// which no retry makes fit.
+const maxTxAnswersBytes = 16 << 20
+
+// answer holds the content of a transactional wire.AnswersPrefix message for the outcome
+// of its reply, later in the transaction. Any role can emit this message, in any number and
+// of any size up to MaxChangeBytes: it only adds optional ids to an outcome, so one that is not
+// the expected JSON, or would take the transaction's held answers past maxTxAnswersBytes,
+// loses just those ids and returns the item of its dead-letter record (logged, counted and
+// set aside like every other).
+func (d *decoder) answer(content []byte) item {
+	a, err := parseAnswers(content)
+	if err != nil {
+		return d.deadLetter(wire.DeadLetterAnswers, "", err.Error(), content)
+	}
+	held := d.answersBytes
+	if old, ok := d.answers[a.messageID]; ok { // the last message for a reply wins
+		held -= old.size()
+	}
+	if held+a.size() > maxTxAnswersBytes {
+		reason := fmt.Sprintf("%s messages of this transaction would hold %d bytes, more than the relay's bound of %d; "+
+			"this one's %d outbox ids are left off its reply's outcome", wire.AnswersPrefix, held+a.size(), maxTxAnswersBytes, a.total)
+		return d.deadLetter(wire.DeadLetterAnswers, "", reason, content)
+	}
+	if d.answers == nil {
+		d.answers = map[string]answers{}
+	}
+	d.answers[a.messageID] = a
+	d.answersBytes = held + a.size()
+	return item{}
 }
 
+// answers is what the decoder keeps of a wire.AnswersPrefix message: its reply's message id,
+// the first wire.MaxBodyOutboxIDs outbox ids (all an outcome event carries), and the count of
+// every id it listed.
+type answers struct {
+	messageID string
+	ids       []int64
+	total     int
+}
+
+// size is what a held answers message costs: its message id, its ids and the map entry.
+func (a answers) size() int { return len(a.messageID) + 8*cap(a.ids) + 64 }
+
 // parseAnswers parses the content of a wire.AnswersPrefix message: a JSON object with a non-empty
-// message_id and an array of outbox ids.
+// message_id and an array of outbox ids (integers), as encoding/json reads it into
+// {MessageID string; OutboxIDs []int64} (unknown fields ignored, keys matched without case, the
+// last of a repeated key wins), without ever holding more than wire.MaxBodyOutboxIDs ids: the
+// rest are checked and counted, not stored (a message of up to MaxChangeBytes lists millions).
 func parseAnswers(content []byte) (answers, error) {
-	var a answers
+	var a struct {
+		MessageID string     `json:"message_id"`
+		OutboxIDs answersIDs `json:"outbox_ids"`
+	}
 	if err := json.Unmarshal(content, &a); err != nil {
 		return answers{}, fmt.Errorf("%s message is not the expected JSON object: %w", wire.AnswersPrefix, err)
 	}
 	if a.MessageID == "" {
 		return answers{}, fmt.Errorf("%s message has no message_id", wire.AnswersPrefix)
 	}
-	return a, nil
+	return answers{messageID: a.MessageID, ids: a.OutboxIDs.ids, total: a.OutboxIDs.total}, nil
+}
+
+// answersIDs is the outbox_ids array of an answers message: its first wire.MaxBodyOutboxIDs
+// ids and the count of all.
+type answersIDs struct {
+	ids   []int64
+	total int
+}
+
+// UnmarshalJSON reads b, the outbox_ids value: null, or an array of integers that fit an
+// int64. encoding/json calls it with a value it has checked to be valid JSON, a slice of the
+// message's bytes: so every element that is not a number (a string, which may hold commas, an
+// array, an object, a literal) starts a comma-separated piece that is not a number, and fails.
+func (a *answersIDs) UnmarshalJSON(b []byte) error {
+	*a = answersIDs{}
+	b = trimJSONSpace(b)
+	if string(b) == "null" {
+		return nil
+	}
+	if len(b) < 2 || b[0] != '[' || b[len(b)-1] != ']' {
+		return errors.New("outbox_ids is not an array")
+	}
+	elems := trimJSONSpace(b[1 : len(b)-1])
+	if len(elems) == 0 {
+		return nil
+	}
+	a.ids = make([]int64, 0, min(wire.MaxBodyOutboxIDs, bytes.Count(elems, []byte{','})+1))
+	for len(elems) > 0 {
+		elem := elems
+		if i := bytes.IndexByte(elems, ','); i >= 0 {
+			elem, elems = elems[:i], elems[i+1:]
+		} else {
+			elems = nil
+		}
+		id, ok := parseOutboxID(trimJSONSpace(elem))
+		if !ok {
+			return fmt.Errorf("outbox_ids[%d] is not an integer id", a.total)
+		}
+		if len(a.ids) < wire.MaxBodyOutboxIDs {
+			a.ids = append(a.ids, id)
+		}
+		a.total++
+	}
+	return nil
+}
+
+// parseOutboxID parses b, a JSON number, as an int64: false for a fraction, an exponent, a
+// value out of range, or anything that is not a number.
+func parseOutboxID(b []byte) (int64, bool) {
+	neg := len(b) > 0 && b[0] == '-'
+	if neg {
+		b = b[1:]
+	}
+	if len(b) == 0 {
+		return 0, false
+	}
+	var n int64
+	for _, c := range b {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		digit := int64(c - '0')
+		if neg {
+			if n < (math.MinInt64+digit)/10 {
+				return 0, false
+			}
+			n = n*10 - digit
+		} else {
+			if n > (math.MaxInt64-digit)/10 {
+				return 0, false
+			}
+			n = n*10 + digit
+		}
+	}
+	return n, true
+}
+
+// trimJSONSpace returns b without the JSON whitespace (space, tab, CR, LF) around it.
+func trimJSONSpace(b []byte) []byte {
+	isSpace := func(c byte) bool { return c == ' ' || c == '\t' || c == '\r' || c == '\n' }
+	for len(b) > 0 && isSpace(b[0]) {
+		b = b[1:]
+	}
+	for len(b) > 0 && isSpace(b[len(b)-1]) {
+		b = b[:len(b)-1]
+	}
+	return b
 }
 
 // relation is a cached relation message with the positions of the columns the relay reads,
@@ -447,7 +576,11 @@ func (d *decoder) event(rel *relation, tuple []tupleColumn) (item, error) {
 		if ev.CreatedAt, err = parseTimestamptz(created); err != nil {
 			return item{}, fmt.Errorf("message %q created_at: %w", ev.MessageID, err)
 		}
-		ev.OutboxIDs = d.answers[ev.MessageID]
+		if a, ok := d.answers[ev.MessageID]; ok {
+			// The ids the decoder did not keep are counted as left out, like those the event
+			// has no room for (see outcomeMsg).
+			ev.OutboxIDs, ev.OutboxIDsOmitted = a.ids, a.total-len(a.ids)
+		}
 		tp, dropped := checkTraceparent(rel.optional(tuple, "trace_context"))
 		msg, err := outcomeMsg(d.prefix, ev, tp, d.maxPayload)
 		if err != nil {

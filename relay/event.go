@@ -107,7 +107,8 @@ func appendJSONString(b []byte, s string) []byte {
 // wire.HeaderTraceparent, never larger than maxPayload bytes as the
 // server measures it (header block plus body; 0 means unknown, no limit). It carries at most
 // the first wire.MaxHeaderOutboxIDs answered ids in wire.HeaderOutboxID and the first wire.MaxBodyOutboxIDs in
-// the body, with the count of the rest (wire.HeaderOutboxIDsOmitted, outbox_ids_omitted). When that
+// the body, with the count of the rest (wire.HeaderOutboxIDsOmitted, outbox_ids_omitted), which
+// includes ev.OutboxIDsOmitted: answered ids the caller already left out of ev.OutboxIDs. When that
 // is still too large it is built without content and flagged, never dropped; if even that does
 // not fit, it carries fewer ids (halving) down to none. An event that does not fit without
 // content and ids (an absurdly small max payload) is an error wrapping errOutcomeTooLarge:
@@ -126,7 +127,7 @@ func outcomeMsg(prefix string, ev wire.OutcomeEvent, traceparent string, maxPayl
 	if traceparent != "" {
 		m.Header[wire.HeaderTraceparent] = []string{traceparent}
 	}
-	all := ev.OutboxIDs
+	all, left := ev.OutboxIDs, max(ev.OutboxIDsOmitted, 0)
 	inHeader, inBody := min(len(all), wire.MaxHeaderOutboxIDs), min(len(all), wire.MaxBodyOutboxIDs)
 	setIDs := func() {
 		delete(m.Header, wire.HeaderOutboxID)
@@ -134,10 +135,10 @@ func outcomeMsg(prefix string, ev wire.OutcomeEvent, traceparent string, maxPayl
 		if inHeader > 0 {
 			m.Header.Set(wire.HeaderOutboxID, joinIDs(all[:inHeader]))
 		}
-		if rest := len(all) - inHeader; rest > 0 {
+		if rest := len(all) - inHeader + left; rest > 0 {
 			m.Header.Set(wire.HeaderOutboxIDsOmitted, strconv.Itoa(rest))
 		}
-		ev.OutboxIDs, ev.OutboxIDsOmitted = all[:inBody:inBody], len(all)-inBody
+		ev.OutboxIDs, ev.OutboxIDsOmitted = all[:inBody:inBody], len(all)-inBody+left
 		if inBody == 0 {
 			ev.OutboxIDs = nil
 		}

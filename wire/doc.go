@@ -84,8 +84,18 @@
 //	SELECT pg_logical_emit_message(true, 'baton.answers', '{"message_id":"r1","outbox_ids":[1,2]}')
 //
 // (prefix AnswersPrefix). The relay puts the ids on that reply's outcome event
-// (OutcomeEvent.OutboxIDs, Baton-Outbox-Id). A message that is not this JSON object costs only
-// the ids: it is set aside as a dead-letter record of kind DeadLetterAnswers.
+// (OutcomeEvent.OutboxIDs, Baton-Outbox-Id). The ids are integers; a message that is not this
+// JSON object costs only the ids: it is set aside as a dead-letter record of kind
+// DeadLetterAnswers, and the reply's outcome goes without them.
+//
+// Any role may emit such a message, of any size the relay receives (its MaxChangeBytes), so
+// the relay bounds what it holds of them. Of one message it keeps the first MaxBodyOutboxIDs
+// ids, all an event carries, and counts the rest without storing them: the outcome carries
+// those ids and counts the others in OutboxIDsOmitted and Baton-Outbox-Ids-Omitted, as for
+// any reply that answers more rows than an event carries (read them from agent_outbox by
+// reply id). Of one transaction it holds at most 16 MiB of answers messages, each costing its
+// message id's bytes, 8 bytes per id kept and 64: a message past that bound is set aside like
+// a malformed one (a worker's transaction holds a few KiB per reply it commits).
 //
 // # Dead letters
 //
