@@ -35,6 +35,11 @@ import (
 //   - Confirmation: the confirmed LSN is the end LSN of the newest transaction that, with every
 //     transaction before it, has a PubAck for each of its events. A keepalive's WAL end is
 //     confirmed only when it arrives outside a transaction with nothing before it unacknowledged.
+//   - Behind an unacknowledged event, a run of finished transactions with no event waiting for
+//     a PubAck (a neighbour's transactions, which reach the relay as BEGIN and COMMIT alone) and
+//     keepalive positions is kept as one entry with the newest end (see mergeLast): they are
+//     confirmed together anyway, so the order of confirmation is unchanged, and the pipeline's
+//     memory grows with the transactions that have events in flight, not with the others.
 //   - Events of a transaction are published as they arrive, before its commit: the transaction
 //     is confirmed only after its commit, and a replay republishes them under the same ids.
 //   - A dead-letter record (a change no retry can publish, set aside by the decoder) is an
@@ -152,10 +157,15 @@ type pendingEvent struct {
 	sentAt atomic.Int64
 }
 
+// txEntry is a transaction of the FIFO the pipeline confirms in order, or a run of finished
+// transactions and keepalive positions without events outstanding (see mergeLast).
 type txEntry struct {
-	end        pglogrepl.LSN
-	pending    int
-	closed     bool
+	end     pglogrepl.LSN // its end LSN, once closed: the LSN it makes safe to confirm
+	pending int           // its events without a PubAck
+	closed  bool          // its commit (or the keepalive) arrived: no event joins it any more
+	// commitTime is the transaction's commit time, zero for a keepalive and for the backfill's
+	// synthetic transaction. Only its events read it (commit-to-PubAck latency); a run
+	// merged by mergeLast keeps the newest transaction's.
 	commitTime time.Time
 }
 
@@ -197,8 +207,16 @@ func newPipeline(cfg *Config, m *metrics, confirmed *atomic.Uint64, open openSen
 		p.alwaysBatches, p.mode = true, publishBatches
 		p.setBatching(true)
 	}
+	if pipelineMade != nil {
+		pipelineMade(cfg, p)
+	}
 	return p
 }
+
+// pipelineMade, when not nil, is told of every pipeline newPipeline makes, with its Config:
+// tests read a running session's pipeline through it (export_test.go). It is set before any
+// relay runs, and nil outside tests.
+var pipelineMade func(*Config, *pipeline)
 
 // errDrainTimeout is returned when a graceful stop gave up waiting for PubAcks.
 var errDrainTimeout = errors.New("gave up waiting for PubAcks")
@@ -564,6 +582,7 @@ func (p *pipeline) handle(it item) error {
 		}
 		p.cur.end, p.cur.closed = it.lsn, true
 		p.cur = nil
+		p.mergeLast()
 		p.advance()
 	case itemKeepalive:
 		if !it.answer {
@@ -575,6 +594,7 @@ func (p *pipeline) handle(it item) error {
 				p.confirm(it.lsn)
 			} else if last := p.txs[len(p.txs)-1]; last.closed && last.end < it.lsn {
 				p.txs = append(p.txs, &txEntry{end: it.lsn, closed: true})
+				p.mergeLast()
 			}
 		}
 	case itemEvent:
@@ -725,6 +745,29 @@ func (p *pipeline) acked(ev *pendingEvent, stored bool) {
 		p.m.roomAgain(p.log, ev.lane, p.streams[ev.lane])
 	}
 	ev.tx.pending--
+}
+
+// mergeLast folds the newest entry of the FIFO into the one before it when both are closed and
+// neither has an event waiting for its PubAck: the older one takes the newer one's end (and its
+// commit time, when it has one). No event joins a closed entry, so two such entries stay
+// finished and advance would confirm them in the same call, up to the newer end: merged, the
+// same LSNs are confirmed at the same moments, and consecutive transactions without events
+// (or keepalives) behind an unacknowledged event cost one entry, not one each. mu is held.
+func (p *pipeline) mergeLast() {
+	n := len(p.txs)
+	if n < 2 {
+		return
+	}
+	last, prev := p.txs[n-1], p.txs[n-2]
+	if !last.closed || last.pending != 0 || !prev.closed || prev.pending != 0 {
+		return
+	}
+	prev.end = max(prev.end, last.end)
+	if !last.commitTime.IsZero() {
+		prev.commitTime = last.commitTime
+	}
+	p.txs[n-1] = nil
+	p.txs = p.txs[:n-1]
 }
 
 // advance confirms every finished transaction at the head of the FIFO.
