@@ -12,14 +12,24 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 //go:embed *.sql
 var files embed.FS
 
-// lockKey is the advisory lock that serialises migrators: the first 8 bytes of "baton.mi" read
-// as a big-endian integer. Any process running Up takes it, so two at once are safe.
-const lockKey int64 = 0x626174_6f6e2e6d69
+// Migrators are serialised by a lock on the migrations table (lockMode, taken in every
+// migration's transaction), which only roles that may write that table can take. Earlier
+// versions took an advisory lock on a constant key instead: any role that can connect can take
+// that key and sit on it, and migrations waited for ever.
+const lockMode = "SHARE ROW EXCLUSIVE"
+
+// lockStatement locks the migrations table of o against other migrators. The mode conflicts
+// with itself and with writers, not with readers (ACCESS SHARE): a role that may only read
+// the table cannot hold migrations back with it.
+func lockStatement(o Options) string {
+	return "LOCK TABLE " + o.table() + " IN " + lockMode + " MODE"
+}
 
 // Table records applied versions.
 const Table = "baton_schema_migrations"
@@ -81,8 +91,8 @@ func Print(w io.Writer, o Options) error {
 		return err
 	}
 	for _, m := range all {
-		_, err := fmt.Fprintf(w, "\n-- Version %d: %s\nBEGIN;\nSELECT pg_advisory_xact_lock(%d);\nCREATE SCHEMA IF NOT EXISTS %s;\nSET LOCAL search_path TO %s;\n%s;\n%s\nINSERT INTO %s (version, name) VALUES (%d, '%s');\nCOMMIT;\n",
-			m.Version, m.Name, lockKey, schema, schema, createTable(o), strings.TrimSpace(o.Render(m)), o.table(), m.Version, m.Name)
+		_, err := fmt.Fprintf(w, "\n-- Version %d: %s\nBEGIN;\nCREATE SCHEMA IF NOT EXISTS %s;\nSET LOCAL search_path TO %s;\n%s;\n%s;\n%s\nINSERT INTO %s (version, name) VALUES (%d, '%s');\nCOMMIT;\n",
+			m.Version, m.Name, schema, schema, createTable(o), lockStatement(o), strings.TrimSpace(o.Render(m)), o.table(), m.Version, m.Name)
 		if err != nil {
 			return err
 		}
@@ -144,9 +154,10 @@ func Latest() int {
 // versions it applied (empty when the schema was current).
 //
 // Each version runs in its own transaction together with its record in baton_schema_migrations,
-// so a failed version leaves nothing behind. Every transaction first takes a transaction-scoped
-// advisory lock and then re-reads what is applied, so concurrent Up calls from any number of
-// processes apply each version exactly once; the losers wait and find nothing left to do.
+// so a failed version leaves nothing behind. Every transaction first locks the migrations table
+// (lockStatement: only roles that may write it can) and then re-reads what is applied, so
+// concurrent Up calls from any number of processes apply each version exactly once; the losers
+// wait and find nothing left to do.
 func Up(ctx context.Context, db Beginner) ([]int, error) {
 	return UpWith(ctx, db, Options{})
 }
@@ -172,15 +183,27 @@ func UpWith(ctx context.Context, db Beginner, o Options) ([]int, error) {
 }
 
 func apply(ctx context.Context, db Beginner, m Migration, o Options) (bool, error) {
+	for attempt := 1; ; attempt++ {
+		did, err := applyOnce(ctx, db, m, o)
+		var pgErr *pgconn.PgError
+		// Two first migrators create the schema or the migrations table at once: the loser's
+		// statement fails on the catalog's unique index (or as a duplicate) and the next
+		// attempt finds them made.
+		if errors.As(err, &pgErr) && attempt < 5 &&
+			(pgErr.Code == "23505" || pgErr.Code == "42P06" || pgErr.Code == "42P07") {
+			continue
+		}
+		return did, err
+	}
+}
+
+func applyOnce(ctx context.Context, db Beginner, m Migration, o Options) (bool, error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return false, fmt.Errorf("migration %d: begin: %w", m.Version, err)
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
 
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey); err != nil {
-		return false, fmt.Errorf("migration %d: take advisory lock: %w", m.Version, err)
-	}
 	// CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema exists:
 	// only a missing schema is created.
 	schema := pgx.Identifier{o.Schema}.Sanitize()
@@ -198,6 +221,9 @@ func apply(ctx context.Context, db Beginner, m Migration, o Options) (bool, erro
 	}
 	if _, err := tx.Exec(ctx, createTable(o)); err != nil {
 		return false, fmt.Errorf("migration %d: create %s: %w", m.Version, Table, err)
+	}
+	if _, err := tx.Exec(ctx, lockStatement(o)); err != nil {
+		return false, fmt.Errorf("migration %d: lock %s against other migrators: %w", m.Version, Table, err)
 	}
 	var exists bool
 	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+o.table()+` WHERE version = $1)`, m.Version).Scan(&exists); err != nil {

@@ -206,8 +206,8 @@ func (r ShardResult) Changed() bool { return len(r.Created)+len(r.Altered)+len(r
 // first-start backfill publishes every unfinished row once more (deduplicated by Nats-Msg-Id
 // and by the workers' outbox ids). It refuses with ErrShards otherwise.
 //
-// The transaction takes the migrations' advisory lock, so it is safe beside concurrent Up and
-// EnsureShards calls.
+// The transaction locks the migrations table as Up does, so it is safe beside concurrent Up
+// and EnsureShards calls.
 func EnsureShards(ctx context.Context, db Beginner, o ShardOptions, n int) (ShardResult, error) {
 	o = o.withDefaults()
 	var res ShardResult
@@ -219,8 +219,8 @@ func EnsureShards(ctx context.Context, db Beginner, o ShardOptions, n int) (Shar
 		return res, fmt.Errorf("shards: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey); err != nil {
-		return res, fmt.Errorf("shards: take advisory lock: %w", err)
+	if _, err := tx.Exec(ctx, lockStatement(o.Options)); err != nil {
+		return res, fmt.Errorf("shards: lock %s against other migrators (run baton migrate first): %w", Table, err)
 	}
 	// Every publication named <publication>_<digits>, with its tables (of any schema) and
 	// their row filters.

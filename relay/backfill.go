@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -109,6 +110,10 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 		created, err = pglogrepl.ParseCreateReplicationSlot(repl.Exec(ctx, command))
 		return err
 	}); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42710" { // duplicate_object: a relay of an earlier version made it
+			return fmt.Errorf("%w: create slot %s: %w", errSlotBusy, cfg.Slot, err)
+		}
 		return fmt.Errorf("create slot %s (it waits for every transaction running now to end; FirstStartTimeout %s): %w",
 			cfg.Slot, cfg.FirstStartTimeout, err)
 	}

@@ -90,13 +90,13 @@ type Config struct {
 	MinSilence time.Duration
 	// StandbyPoll is how often a standby relay checks whether the slot became free. Default 1s.
 	StandbyPoll time.Duration
-	// StaleLockAfter is how long a standby lets the slot stay inactive (no walsender streams
-	// from it, or its walsender's backend is gone) while another session holds the relay lock
-	// and sits idle, before it decides that holder is stale (its host vanished without closing
-	// its sockets, or a middlebox keeps them open), terminates that backend with
-	// pg_terminate_backend and takes over. The active relay's walsender ends wal_sender_timeout
-	// after its relay went silent, so a takeover takes about wal_sender_timeout + StaleLockAfter.
-	// Default 10s.
+	// StaleLockAfter is no longer used: a standby takes over once the slot is free, which
+	// Postgres ensures within wal_sender_timeout of the active relay going silent (see
+	// standby.go). Earlier versions took an advisory lock, any role could hold it, and a
+	// standby broke a holder idle this long. Kept so that configurations that set it still
+	// build.
+	//
+	// Deprecated: takeover follows the slot.
 	StaleLockAfter time.Duration
 	// SetupTimeout bounds each connection attempt to Postgres and each setup step of a session
 	// (checks, the lock query, reading the slot, START_REPLICATION, and on first start the

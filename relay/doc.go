@@ -28,8 +28,8 @@
 //   - First start migrates a polling backlog: the slot's exported snapshot is used to
 //     publish every pending or processing row before streaming from the consistent point.
 //     A row the stream would set aside is set aside by the backfill too (backfillItem).
-//   - One relay per slot streams; others stand by (a session advisory lock and the slot's
-//     own exclusivity) and take over when it goes away.
+//   - One relay per slot streams; others stand by (the slot's own exclusivity, and a claim of
+//     its first start: standby.go) and take over when it goes away.
 //   - No unfinished turn event is dropped by JetStream (ensureStreams, StreamSettings): the
 //     turns stream has work-queue retention, no age limit and discard new, so only the
 //     workers' acknowledgement removes an event, and a full stream refuses new ones. Such a

@@ -246,7 +246,7 @@ func processIsFencedOut(t *testing.T, replicas int, fault processFault) {
 	require.NoError(t, err)
 	proxy := testsvc.StartProxy(t, u.Host)
 	t.Cleanup(proxy.Unfreeze)
-	args := []string{"--stream-duplicates", window.String(), "--stream-replicas", fmt.Sprint(replicas), "--stale-lock-after", "2s"}
+	args := []string{"--stream-duplicates", window.String(), "--stream-replicas", fmt.Sprint(replicas)}
 	a := b.startAdvProcess(t, b.db.URL, "nats://"+proxy.Addr(), args...)
 	require.Eventually(t, func() bool { return a.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay A never streamed")
 	standby := b.startAdvProcess(t, b.db.URL, b.nc.ConnectedUrl(), args...)

@@ -201,52 +201,6 @@ func (r *Relay) session(ctx context.Context) error {
 		return err
 	}
 
-	// One active relay per slot: the holder of this session-level advisory lock. It is
-	// released when the holder's connection ends, however the holder died; a holder whose
-	// host vanished is broken by the standby (staleLock).
-	stale := staleLock{after: cfg.StaleLockAfter}
-	for standby := false; ; standby = true {
-		var got bool
-		if err := r.bounded(ctx, func(ctx context.Context) error {
-			return conn.QueryRow(ctx, `SELECT pg_try_advisory_lock(hashtextextended('baton.relay.' || $1, 0))`,
-				cfg.Slot).Scan(&got)
-		}); err != nil {
-			return fmt.Errorf("take relay lock: %w", err)
-		}
-		if got {
-			break
-		}
-		if !standby {
-			log.Info("another relay is active; standing by", "slot", cfg.Slot)
-		}
-		r.healthy.Store(true)
-		var holder lockHolder
-		if err := r.bounded(ctx, func(ctx context.Context) (err error) {
-			holder, err = readLockHolder(ctx, conn, cfg.Slot)
-			return err
-		}); err != nil {
-			return err
-		}
-		if now := time.Now(); stale.observe(now, holder) {
-			log.Warn("the active relay's session sits idle holding the relay lock and the slot has not streamed; terminating it to take over",
-				"slot", cfg.Slot, "pid", holder.pid, "for", stale.since(now).Round(time.Millisecond), "stale_lock_after", cfg.StaleLockAfter)
-			var exited bool
-			if err := r.bounded(ctx, func(ctx context.Context) (err error) {
-				exited, err = terminateHolder(ctx, conn, holder.pid)
-				return err
-			}); err != nil {
-				return err
-			}
-			stale = staleLock{after: cfg.StaleLockAfter}
-			if exited {
-				continue // take the lock now
-			}
-		}
-		if err := retryIn(ctx, cfg.StandbyPoll); err != nil {
-			return err
-		}
-	}
-
 	// Checked once, not at every session start: a session that ended because NATS stopped
 	// reading would otherwise start the next one blocked on the JetStream API (or on reading
 	// the server's max payload), behind nats.go's connection lock that the stuck publish
@@ -280,29 +234,31 @@ func (r *Relay) session(ctx context.Context) error {
 		}
 	}
 
-	// Raised by the sender of the session's first pipeline, before it publishes anything: from
-	// then on, what an older session of this slot still sends to a fenced stream is refused.
-	r.fence = r.newSessionFence()
-	if r.fence != nil {
-		r.fence.read(cfg.SetupTimeout) // before the slot is taken: see sessionFence.read
-	}
-
 	replCfg := connCfg.Config.Copy()
 	replCfg.RuntimeParams["replication"] = "database"
 	replCfg.RuntimeParams["application_name"] = "baton-relay"
 
-	for {
-		err := r.stream(ctx, conn, replCfg)
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "55006" { // object_in_use: slot active elsewhere
-			r.healthy.Store(true)
-			log.Info("slot is in use by another process; standing by", "slot", cfg.Slot)
-			if err := retryIn(ctx, cfg.StandbyPoll); err != nil {
-				return err
-			}
-			continue
+	// Which relay streams is the slot's to decide (standby.go): this one stands by while
+	// another streams from it or runs its first start, and tries again every StandbyPoll.
+	for standby := false; ; standby = true {
+		// Raised by the sender of the session's first pipeline, before it publishes anything:
+		// from then on, what an older session of this slot still sends to a fenced stream is
+		// refused. Read before each attempt at the slot (see sessionFence.read).
+		r.fence = r.newSessionFence()
+		if r.fence != nil {
+			r.fence.read(cfg.SetupTimeout)
 		}
-		return err
+		err := r.stream(ctx, conn, replCfg)
+		if !errors.Is(err, errSlotBusy) {
+			return err
+		}
+		r.healthy.Store(true)
+		if !standby {
+			log.Info("another relay is active; standing by", "slot", cfg.Slot, "reason", err)
+		}
+		if err := retryIn(ctx, cfg.StandbyPoll); err != nil {
+			return err
+		}
 	}
 }
 
@@ -413,6 +369,21 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 	if err != nil {
 		return err
 	}
+	if slot.active {
+		return fmt.Errorf("%w: a walsender streams from it", errSlotBusy)
+	}
+	if action != slotStream {
+		var claimed bool
+		if err := r.bounded(ctx, func(ctx context.Context) (err error) {
+			claimed, err = claimFirstStart(ctx, conn, cfg.Slot)
+			return err
+		}); err != nil {
+			return err
+		}
+		if !claimed {
+			return fmt.Errorf("%w: another relay runs its first start", errSlotBusy)
+		}
+	}
 	switch action {
 	case slotBackfill:
 		log.Warn("slot has no finished backfill; backfilling again from a snapshot taken now, keeping the slot",
@@ -463,6 +434,9 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		if errors.As(err, &pgErr) && pgErr.Code == "55000" {
 			r.m.slotLost.Set(1)
 			return fmt.Errorf("%w: %w", ErrSlotLost, err)
+		}
+		if errors.As(err, &pgErr) && pgErr.Code == "55006" { // object_in_use: another walsender has it
+			return fmt.Errorf("%w: %w", errSlotBusy, err)
 		}
 		return fmt.Errorf("start replication on slot %s: %w", cfg.Slot, err)
 	}

@@ -365,6 +365,7 @@ type slotInfo struct {
 	ours         bool // database is the one connected to: current_database(), which a URL may leave unnamed
 	walStatus    string
 	confirmed    string
+	active       bool // a walsender that still exists streams from it
 	recorded     bool // baton_relay_slots has a row for it: a relay created it
 	backfillDone bool // and that relay finished its first-start backfill
 }
@@ -372,8 +373,9 @@ type slotInfo struct {
 func readSlot(ctx context.Context, conn *pgx.Conn, cfg *Config) (slotInfo, error) {
 	var s slotInfo
 	err := conn.QueryRow(ctx, `SELECT coalesce(plugin, ''), coalesce(database, ''), database IS NOT DISTINCT FROM current_database(),
-			coalesce(wal_status, ''), coalesce(confirmed_flush_lsn::text, '')
-		FROM pg_replication_slots WHERE slot_name = $1`, cfg.Slot).Scan(&s.plugin, &s.database, &s.ours, &s.walStatus, &s.confirmed)
+			coalesce(wal_status, ''), coalesce(confirmed_flush_lsn::text, ''),
+			active AND EXISTS (SELECT 1 FROM pg_stat_activity w WHERE w.pid = active_pid)
+		FROM pg_replication_slots WHERE slot_name = $1`, cfg.Slot).Scan(&s.plugin, &s.database, &s.ours, &s.walStatus, &s.confirmed, &s.active)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 	case err != nil:

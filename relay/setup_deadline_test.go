@@ -35,7 +35,7 @@ func TestFirstStartStatementsHaveDeadlines(t *testing.T) {
 	require.Eventually(t, func() bool {
 		var n int
 		err := b.db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
-			AND query LIKE 'INSERT INTO baton_relay_slots%'`).Scan(&n)
+			AND query LIKE '%INSERT INTO baton_relay_slots%'`).Scan(&n)
 		return err == nil && n == 1
 	}, 30*time.Second, 20*time.Millisecond, "the relay never reached its first-start INSERT")
 	proxy.Freeze()

@@ -83,8 +83,8 @@ func (p *haProcess) logged(s string) bool {
 
 // The active relay's host vanishes without closing its sockets, behind a path that keeps them
 // open (the proxy, frozen: nothing is forwarded, nothing is refused), so the server never
-// learns: its session keeps the relay lock. The standby must take over within
-// wal_sender_timeout + StaleLockAfter (default 10s) + 30s, and nothing is lost or doubled.
+// learns: its walsender keeps the slot until wal_sender_timeout. The standby must take over
+// within wal_sender_timeout + 40s, and nothing is lost or doubled.
 func TestStandbyTakesOverFromAVanishedHost(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

@@ -42,9 +42,8 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 	drain := fs.Duration("drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for PubAcks")
 	recreateSlot := fs.Bool("recreate-slot", false, "drop a slot of that name that Baton did not create (an operator's or another tool's)\n"+
 		"and create Baton's in its place, with a first-start backfill; without it such a slot is refused")
-	staleLock := fs.Duration("stale-lock-after", 10*time.Second, "as standby, take over once the active relay's session has sat idle holding the relay lock\n"+
-		"with nothing streaming from the slot for this long (its host vanished); takeover takes about\n"+
-		"wal_sender_timeout + this")
+	_ = fs.Duration("stale-lock-after", 10*time.Second, "no longer used (kept so that scripts that set it still run): a standby takes over once\n"+
+		"the slot is free, within wal_sender_timeout of the active relay going silent")
 	statusInterval := fs.Duration("status-interval", time.Second, "how often the relay reports its confirmed position to Postgres (and asks for an answer)")
 	minSilence := fs.Duration("min-silence", 10*time.Second, "how long a status update to Postgres may go unanswered, no byte arriving, before the relay\n"+
 		"looks at its walsender from its other connection: busy decoding (a neighbour's large transaction)\n"+
@@ -120,7 +119,6 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		ClassicPublish:   *classic,
 		DrainTimeout:     *drain,
 		RecreateSlot:     *recreateSlot,
-		StaleLockAfter:   *staleLock,
 		MinSilence:       *minSilence,
 		StatusInterval:   *statusInterval,
 		Logger:           log,

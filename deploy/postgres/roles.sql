@@ -41,7 +41,7 @@
 --   * pg_logical_emit_message (the worker's final commit names the answered outbox rows in the
 --     WAL with it) is executable by every role by default and needs no REPLICATION. If your
 --     cluster revoked it from PUBLIC, grant it to baton_worker.
---   * The relay reads pg_replication_slots and pg_publication*, takes an advisory lock and
+--   * The relay reads pg_replication_slots, pg_stat_activity and pg_publication*, and
 --     creates its slot over a replication connection: REPLICATION and CONNECT are all it needs
 --     for that. Replication connections to a database match `all` lines in pg_hba.conf.
 --   * Column privileges make the app's queue fields unwritable: an INSERT naming status,
