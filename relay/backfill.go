@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
@@ -106,10 +107,13 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 	}
 	var created pglogrepl.CreateReplicationSlotResult
 	command := createSlotCommand(cfg.Slot, serverMajor(repl.ParameterStatus("server_version")))
-	if err := within(ctx, cfg.FirstStartTimeout, func(ctx context.Context) (err error) {
+	stopWatching := r.watchSlotCreate(ctx, conn, repl.PID())
+	err := within(ctx, cfg.FirstStartTimeout, func(ctx context.Context) (err error) {
 		created, err = pglogrepl.ParseCreateReplicationSlot(repl.Exec(ctx, command))
 		return err
-	}); err != nil {
+	})
+	stopWatching()
+	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "42710" { // duplicate_object: a relay of an earlier version made it
 			return fmt.Errorf("%w: create slot %s: %w", errSlotBusy, cfg.Slot, err)
@@ -132,6 +136,78 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 	}
 	cfg.Logger.Info("created slot and backfilled unfinished rows", "slot", cfg.Slot, "lsn", point, "rows", n)
 	return nil
+}
+
+// Creating a slot waits for every transaction that holds a transaction id when it begins to end
+// (the slot's snapshot must see them finished): a neighbour's transaction left open, for
+// minutes or days, holds the first start back for as long. Nothing is wrong with the relay
+// then, and nothing in its own log would say so: slotCreateWaitLog after the creation began,
+// and every slotCreateWaitEvery after, it logs which backends the walsender waits for
+// (pg_blocking_pids: their pid and role, and when their transaction began where the relay's
+// role may see it) and sets baton_relay_slot_create_waiting. FirstStartTimeout still bounds
+// the wait.
+const (
+	slotCreateWaitLog   = 2 * time.Second
+	slotCreateWaitEvery = 30 * time.Second
+)
+
+// watchSlotCreate watches, from conn, the walsender pid creating the slot, until the returned
+// function is called; that function returns once the watch ended.
+func (r *Relay) watchSlotCreate(ctx context.Context, conn *pgx.Conn, pid uint32) func() {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer r.m.slotCreateWaiting.Set(0)
+		wait := slotCreateWaitLog
+		for {
+			if retryIn(ctx, wait) != nil {
+				return
+			}
+			wait = slotCreateWaitEvery
+			blockers, err := slotCreateBlockers(ctx, conn, pid)
+			if ctx.Err() != nil {
+				return
+			}
+			if err != nil {
+				r.cfg.Logger.Warn("creating the slot is taking long, and who it waits for could not be read", "slot", r.cfg.Slot, "error", err)
+				continue
+			}
+			if len(blockers) == 0 {
+				continue
+			}
+			r.m.slotCreateWaiting.Set(1)
+			r.cfg.Logger.Warn("creating the slot waits for transactions that were running when it began to end "+
+				"(another role's long transaction holds the relay's first start back; FirstStartTimeout bounds the wait)",
+				"slot", r.cfg.Slot, "waiting_for", blockers)
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+	}
+}
+
+// slotCreateBlockers describes the backends the walsender pid waits for.
+func slotCreateBlockers(ctx context.Context, conn *pgx.Conn, pid uint32) ([]string, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	rows, err := conn.Query(ctx, `SELECT b.pid, coalesce(b.usename::text, ''), coalesce(b.application_name, ''),
+			coalesce(to_char(b.xact_start AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), 'not visible to this role')
+		FROM unnest(pg_blocking_pids($1)) AS p(pid) JOIN pg_stat_activity b ON b.pid = p.pid ORDER BY b.pid`, int32(pid)) //nolint:gosec // G115: a backend pid fits an int32
+	if err != nil {
+		return nil, fmt.Errorf("read the backends the slot's creation waits for: %w", err)
+	}
+	var out []string
+	for rows.Next() {
+		var bpid int32
+		var role, app, since string
+		if err := rows.Scan(&bpid, &role, &app, &since); err != nil {
+			return nil, err
+		}
+		out = append(out, fmt.Sprintf("pid %d (role %s, application %q, transaction since %s)", bpid, role, app, since))
+	}
+	return out, rows.Err()
 }
 
 // backfillAgain finishes the first start of a slot whose backfill did not finish (see

@@ -31,6 +31,7 @@ type metrics struct {
 	reconnects                         prometheus.Counter
 	errors                             *prometheus.CounterVec // stage: postgres|nats|publish|decode
 	slotLost                           prometheus.Gauge
+	slotCreateWaiting                  prometheus.Gauge
 	fatal                              *prometheus.GaugeVec // reason: setup|slot_lost
 	streamFull                         *prometheus.GaugeVec // stream
 	// full says, per lane (its stream), that a publish was refused for lack of room and none
@@ -101,6 +102,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "baton_relay_errors_total", Help: "Errors that ended a session, by stage.",
 		}, []string{"stage"}),
+		slotCreateWaiting: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "baton_relay_slot_create_waiting",
+			Help: "1 while creating the slot waits for transactions that were running when it began to end (a neighbour's long transaction); the relay's WARN log names them.",
+		}),
 		slotLost: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_relay_slot_lost", Help: "1 when the slot was invalidated (wal_status lost): recreate it, see the README.",
 		}),
@@ -125,7 +130,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.events, m.omitted, m.replaySkipped, m.traceDropped, m.deadLetter, m.publishLatency, m.commitToAck, m.confirmedLSN,
-			m.slotLagBytes, m.walsenderBusy, m.inFlight, m.inFlightBytes, m.active, m.batched, m.batching, m.switches, m.reconnects, m.errors, m.slotLost, m.fatal, m.streamFull)
+			m.slotLagBytes, m.walsenderBusy, m.inFlight, m.inFlightBytes, m.active, m.batched, m.batching, m.switches, m.reconnects, m.errors, m.slotLost, m.slotCreateWaiting, m.fatal, m.streamFull)
 	}
 	return m
 }

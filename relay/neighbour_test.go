@@ -96,3 +96,33 @@ func TestHugeLogicalMessageOverASlowLinkIsLife(t *testing.T) {
 	require.Greater(t, proxy.ToClients()-before, int64(size), "the message never crossed the slow link")
 	require.Zero(t, counter(t, reg, "baton_relay_reconnects_total", ""), "a session ended while the message arrived")
 }
+
+// A neighbour's transaction is open (holding a transaction id) when the relay first starts:
+// creating the slot waits for it to end, however long that is. The relay must say so, naming
+// the backend it waits for, and stream once the neighbour commits.
+func TestNeighboursLongTransactionHoldingSlotCreationIsReported(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := ctxT(t, 3*time.Minute)
+	createConversations(t, b.db.Pool, "c")
+	_, err := b.db.Pool.Exec(ctx, `CREATE TABLE neighbour_long (id bigint)`)
+	require.NoError(t, err)
+	long, err := b.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = long.Rollback(ctx) })
+	_, err = long.Exec(ctx, `INSERT INTO neighbour_long VALUES (1)`) // takes a transaction id
+	require.NoError(t, err)
+	var pid int32
+	require.NoError(t, long.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+
+	p := b.startAdvProcess(t, b.db.URL, b.nats.URL())
+	p.awaitLogged(t, "creating the slot waits for transactions")
+	require.True(t, p.logged(fmt.Sprintf("pid %d (role", pid)), "the log names the neighbour's backend")
+	require.False(t, p.logged("msg=streaming"))
+
+	require.NoError(t, long.Commit(ctx))
+	p.awaitLogged(t, "msg=streaming")
+	_, err = send(ctx, b.db.Pool, "c", "after-the-long-transaction")
+	require.NoError(t, err)
+	b.waitStream(t, "AGENT_TURNS", 1, time.Minute)
+}
