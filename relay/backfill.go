@@ -152,23 +152,28 @@ const (
 )
 
 // watchSlotCreate watches, from conn, the walsender pid creating the slot, until the returned
-// function is called; that function returns once the watch ended.
+// function is called; that function returns once the watch ended. Stopping never interrupts a
+// look in progress (at most 5s): pgx closes a connection whose query a context ended, and
+// conn is the session's, which the backfill uses next.
 func (r *Relay) watchSlotCreate(ctx context.Context, conn *pgx.Conn, pid uint32) func() {
-	ctx, cancel := context.WithCancel(ctx)
+	stop := make(chan struct{})
 	done := make(chan struct{})
+	look := context.WithoutCancel(ctx)
 	go func() {
 		defer close(done)
 		defer r.m.slotCreateWaiting.Set(0)
-		wait := slotCreateWaitLog
+		wait := time.NewTimer(slotCreateWaitLog)
+		defer wait.Stop()
 		for {
-			if retryIn(ctx, wait) != nil {
+			select {
+			case <-stop:
 				return
-			}
-			wait = slotCreateWaitEvery
-			blockers, err := slotCreateBlockers(ctx, conn, pid)
-			if ctx.Err() != nil {
+			case <-ctx.Done():
 				return
+			case <-wait.C:
 			}
+			wait.Reset(slotCreateWaitEvery)
+			blockers, err := slotCreateBlockers(look, conn, pid)
 			if err != nil {
 				r.cfg.Logger.Warn("creating the slot is taking long, and who it waits for could not be read", "slot", r.cfg.Slot, "error", err)
 				continue
@@ -183,7 +188,7 @@ func (r *Relay) watchSlotCreate(ctx context.Context, conn *pgx.Conn, pid uint32)
 		}
 	}()
 	return func() {
-		cancel()
+		close(stop)
 		<-done
 	}
 }
