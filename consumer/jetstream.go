@@ -165,7 +165,11 @@ func consumerGone(ctx context.Context, cons jetstream.Consumer) bool {
 }
 
 // onEvent hands a turn event to its conversation's loop. A malformed event is terminated:
-// no redelivery can make it readable.
+// no redelivery can make it readable. So is an event whose subject is not the turn subject of
+// the conversation its body names (counted as misaddressed, logged at error level): the
+// relay never writes one, and whoever may publish on the turns subjects could otherwise put
+// conversation B's events on conversation A's subject. It is never scheduled, so never
+// claimed; B's own event, on B's subject, and the sweep still find B's row.
 func (s *jetStreamSource) onEvent(ctx context.Context, msg jetstream.Msg) {
 	w := s.w
 	ev, err := decodeTurnEvent(msg.Headers().Get(wire.HeaderOutboxID), msg.Data())
@@ -173,6 +177,17 @@ func (s *jetStreamSource) onEvent(ctx context.Context, msg jetstream.Msg) {
 		w.cfg.Logger.Error("malformed turn event; terminating it", "subject", msg.Subject(), "error", err)
 		_ = msg.Term()
 		w.m.events.WithLabelValues("terminated").Inc()
+		return
+	}
+	if err := checkTurnSubject(w.cfg.SubjectPrefix, msg.Subject(), ev.ConversationID); err != nil {
+		var seq uint64
+		if md, err := msg.Metadata(); err == nil {
+			seq = md.Sequence.Stream
+		}
+		w.cfg.Logger.Error("turn event on another conversation's subject; terminating it", "subject", msg.Subject(),
+			"conversation_id", ev.ConversationID, "outbox_id", ev.OutboxID, "stream_seq", seq, "error", err)
+		_ = msg.TermWithReason("subject names another conversation than the body")
+		w.m.events.WithLabelValues("misaddressed").Inc()
 		return
 	}
 	if ctx.Err() != nil {
@@ -205,6 +220,23 @@ func decodeTurnEvent(outboxHeader string, data []byte) (wire.TurnEvent, error) {
 		return wire.TurnEvent{}, errors.New("conversation id is not 1-200 bytes of text without NUL")
 	}
 	return ev, nil
+}
+
+// checkTurnSubject returns an error unless subject is the turn subject, under prefix, of
+// conversationID: wire.ParseSubject reads the subject as the relay writes it (plain or "~"
+// base64url token, canonical only), so exactly one subject passes for each conversation.
+func checkTurnSubject(prefix, subject, conversationID string) error {
+	kind, conv, err := wire.ParseSubject(prefix, subject)
+	if err != nil {
+		return err
+	}
+	if kind != wire.KindTurns {
+		return fmt.Errorf("subject %q is not a turn subject", subject)
+	}
+	if conv != conversationID {
+		return fmt.Errorf("subject %q names conversation %q, the body names %q", subject, conv, conversationID)
+	}
+	return nil
 }
 
 // validID reports whether id can be a conversation id: 1 to 200 bytes of valid UTF-8 with no

@@ -10,7 +10,7 @@ type metrics struct {
 	recoveries     *prometheus.CounterVec // result: pending|failed
 	attempts       prometheus.Histogram
 	operations     *prometheus.CounterVec // effect
-	events         *prometheus.CounterVec // result: acked|nacked|terminated
+	events         *prometheus.CounterVec // result: acked|nacked|terminated|misaddressed
 	running        prometheus.Gauge
 	batchSize      *prometheus.HistogramVec // statement: claim|finish|tool|history
 }
@@ -40,7 +40,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "baton_worker_operations_total", Help: "Tool calls recorded, by effect.",
 		}, []string{"effect"}),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "baton_worker_events_total", Help: "JetStream turn events settled: acked, nacked (redelivered later), terminated (malformed).",
+			Name: "baton_worker_events_total", Help: "JetStream turn events settled: acked, nacked (redelivered later), terminated (malformed), misaddressed (terminated: the subject names another conversation than the body).",
 		}, []string{"result"}),
 		running: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "baton_worker_running_turns", Help: "Turns running now.",

@@ -25,6 +25,13 @@ const (
 	DefaultSubscriberMaxRetryDelay = time.Minute
 	// DefaultSubscriberDedupeWindow is OutcomeSubscriberConfig.DedupeWindow's default.
 	DefaultSubscriberDedupeWindow = 10000
+	// MaxSubscriberDedupeWindow is the largest OutcomeSubscriberConfig.DedupeWindow: a million
+	// ids. Run allocates the whole window when it starts, about 100 bytes an entry (some 100 MB
+	// for a million) before the ids themselves fill it; that is a hundred times the default and
+	// far more than a redelivery (at most 500 outcomes a pull request) or a relay replay spans.
+	// A larger window would cost gigabytes when Run starts, or panic there, rather than fail at
+	// the configuration check.
+	MaxSubscriberDedupeWindow = 1_000_000
 )
 
 // OutcomeSubscriberConfig configures an OutcomeSubscriber. Zero values take the defaults named
@@ -73,8 +80,8 @@ type OutcomeSubscriberConfig struct {
 	MaxRetryDelay time.Duration
 	// DedupeWindow is how many message ids the subscriber remembers to skip duplicates: the
 	// ids of the last DedupeWindow outcomes Handler accepted. Choose it above the number of
-	// outcomes a redelivery or a relay replay can span. Default:
-	// DefaultSubscriberDedupeWindow (10000).
+	// outcomes a redelivery or a relay replay can span. At most MaxSubscriberDedupeWindow
+	// (1,000,000). Default: DefaultSubscriberDedupeWindow (10000).
 	DedupeWindow int
 
 	// Logger receives the subscriber's logs. Default: nil, discard.
@@ -201,6 +208,10 @@ func NewOutcomeSubscriber(cfg OutcomeSubscriberConfig) (*OutcomeSubscriber, erro
 	}
 	if cfg.AckWait < 0 || cfg.RetryDelay < 0 || cfg.MaxRetryDelay < 0 || cfg.DedupeWindow < 0 {
 		return nil, errors.New("outcome subscriber: AckWait, RetryDelay, MaxRetryDelay and DedupeWindow must not be negative")
+	}
+	if cfg.DedupeWindow > MaxSubscriberDedupeWindow {
+		return nil, fmt.Errorf("outcome subscriber: DedupeWindow %d is above the maximum %d (MaxSubscriberDedupeWindow: Run allocates the whole window when it starts)",
+			cfg.DedupeWindow, MaxSubscriberDedupeWindow)
 	}
 	log := cfg.Logger
 	if log == nil {

@@ -44,10 +44,10 @@
 // may publish an outcome again; JetStream drops the repeat by Nats-Msg-Id only within the
 // stream's duplicate window (default 2 minutes), so a replay later than that stores the outcome
 // twice. The Baton message id is the idempotency key: the same reply always has the same id.
-// The subscriber remembers the last --remember ids it printed and skips those. That covers
-// redeliveries and replays while it runs; for effects that must happen once across restarts,
-// record the message id in your own store in the same transaction as the effect (for example a
-// table with the message id as primary key) and skip ids already there.
+// The subscriber remembers the last --remember ids it printed (at most a million) and skips
+// those. That covers redeliveries and replays while it runs; for effects that must happen once
+// across restarts, record the message id in your own store in the same transaction as the
+// effect (for example a table with the message id as primary key) and skip ids already there.
 package main
 
 import (
@@ -110,7 +110,7 @@ func run(ctx context.Context) error {
 	since := flag.String("since", "", "a new durable starts at this RFC 3339 `time` (e.g. 2026-11-30T00:00:00Z)")
 	fromSeq := flag.Uint64("from-seq", 0, "a new durable starts at this stream `sequence`")
 	maxContent := flag.Int("max-content", 80, "print at most this many characters of content")
-	remember := flag.Int("remember", wire.DefaultSubscriberDedupeWindow, "how many message ids to remember for skipping duplicates")
+	remember := flag.Int("remember", wire.DefaultSubscriberDedupeWindow, fmt.Sprintf("how many message ids to remember for skipping duplicates (1 to %d)", wire.MaxSubscriberDedupeWindow))
 	asJSON := flag.Bool("json", false, "print each outcome as one JSON object (the event's fields and seq), content in full")
 	flag.Parse()
 	if flag.NArg() > 0 {
@@ -136,8 +136,12 @@ func run(ctx context.Context) error {
 			return fmt.Errorf("--since: want an RFC 3339 time like 2026-11-30T00:00:00Z: %w", err)
 		}
 	}
-	if *remember < 1 || *maxContent < 1 {
-		return errors.New("--remember and --max-content must be at least 1")
+	// The subscriber allocates the whole window when it starts: wire bounds it.
+	if *remember < 1 || *remember > wire.MaxSubscriberDedupeWindow {
+		return fmt.Errorf("--remember must be 1 to %d (wire.MaxSubscriberDedupeWindow), not %d", wire.MaxSubscriberDedupeWindow, *remember)
+	}
+	if *maxContent < 1 {
+		return errors.New("--max-content must be at least 1")
 	}
 
 	// A refused login ends here, with an error naming the servers and the settings.
