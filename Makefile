@@ -34,8 +34,8 @@ test: lint ## make lint, every test with the race detector (needs PostgreSQL ser
 # The long tier: tests at the sizes reviewers reproduced defects with (a neighbour's
 # 10-million-row transaction), too heavy for CI's time budget. Files tagged `long`; run before
 # resolving an issue that touches what they cover.
-test-long: ## the long tier (go test -tags long -run Long): heavy sizes CI does not run
-	$(GO) test -tags long -count=1 -timeout 60m -run 'Long' ./...
+test-long: ## the long tier (go test -tags long -run '^TestLong'): heavy sizes CI does not run
+	$(GO) test -tags long -count=1 -timeout 60m -run '^TestLong' ./...
 
 # Each fuzz target runs FUZZTIME on top of its seeds and its checked-in corpus
 # (testdata/fuzz/<target>/). A failure writes the failing input there: commit it with the fix.

@@ -93,7 +93,7 @@ func serverMajor(version string) int {
 // outbox row that is pending or processing: the backlog of a team that polled before Baton.
 // Streaming then starts at the slot's consistent point, so each row is published once: rows
 // committed before it by the backfill, after it by the stream.
-func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgconn.PgConn) error {
+func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgconn.PgConn, token string) error {
 	cfg := &r.cfg
 	// Recorded before the slot exists: a relay killed from here until the backfill is marked
 	// done leaves a slot that the next start knows as Baton's own and recreates.
@@ -131,7 +131,7 @@ func (r *Relay) createAndBackfill(ctx context.Context, conn *pgx.Conn, repl *pgc
 	if err != nil {
 		return fmt.Errorf("backfill: %w", err)
 	}
-	if err := r.backfillDone(ctx, conn, created.ConsistentPoint, n); err != nil {
+	if err := r.backfillDone(ctx, conn, created.ConsistentPoint, n, token); err != nil {
 		return err
 	}
 	cfg.Logger.Info("created slot and backfilled unfinished rows", "slot", cfg.Slot, "lsn", point, "rows", n)
@@ -218,28 +218,35 @@ func slotCreateBlockers(ctx context.Context, conn *pgx.Conn, pid uint32) ([]stri
 // backfillAgain finishes the first start of a slot whose backfill did not finish (see
 // decideSlot): it publishes every unfinished outbox row from a snapshot taken now and keeps
 // the slot, which holds every change since its consistent point.
-func (r *Relay) backfillAgain(ctx context.Context, conn *pgx.Conn, consistentPoint string) error {
+func (r *Relay) backfillAgain(ctx context.Context, conn *pgx.Conn, consistentPoint, token string) error {
 	n, err := r.backfill(ctx, conn, "")
 	if err != nil {
 		return fmt.Errorf("backfill: %w", err)
 	}
-	if err := r.backfillDone(ctx, conn, consistentPoint, n); err != nil {
+	if err := r.backfillDone(ctx, conn, consistentPoint, n, token); err != nil {
 		return err
 	}
 	r.cfg.Logger.Info("backfilled unfinished rows", "slot", r.cfg.Slot, "lsn", consistentPoint, "rows", n)
 	return nil
 }
 
-// backfillDone records that the first-start backfill of the slot finished with rows rows.
-func (r *Relay) backfillDone(ctx context.Context, conn *pgx.Conn, consistentPoint string, rows int64) error {
+// backfillDone records that the first-start backfill of the slot finished with rows rows, if
+// the first start is still claimed by token: a claimant paused past the claim's stale bound
+// finds it another's, and leaves the slot to that one (errSlotBusy).
+func (r *Relay) backfillDone(ctx context.Context, conn *pgx.Conn, consistentPoint string, rows int64, token string) error {
+	var n int64
 	if err := r.bounded(ctx, func(ctx context.Context) error {
-		_, err := conn.Exec(ctx, `INSERT INTO baton_relay_slots (slot_name, consistent_point, backfill_rows, backfill_done)
-		VALUES ($1, $2, $3, true) ON CONFLICT (slot_name) DO UPDATE
-		SET consistent_point = excluded.consistent_point, backfill_rows = excluded.backfill_rows, backfill_done = true`,
-			r.cfg.Slot, consistentPoint, rows)
+		tag, err := conn.Exec(ctx, `UPDATE baton_relay_slots
+			SET consistent_point = $2, backfill_rows = $3, backfill_done = true, starter_token = NULL, starter_pid = NULL, starter_seen = NULL
+			WHERE slot_name = $1 AND starter_token = $4`,
+			r.cfg.Slot, consistentPoint, rows, token)
+		n = tag.RowsAffected()
 		return err
 	}); err != nil {
 		return fmt.Errorf("record backfill of slot %s: %w", r.cfg.Slot, err)
+	}
+	if n == 0 {
+		return fmt.Errorf("%w: the first start of slot %s was claimed by another relay while this one backfilled", errSlotBusy, r.cfg.Slot)
 	}
 	return nil
 }

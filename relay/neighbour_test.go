@@ -37,15 +37,16 @@ func neighbourURL(t *testing.T, dbURL string) string {
 // the outbox row committed after it, in the same session.
 func TestNeighboursBulkTransactionDoesNotStopTheRelay(t *testing.T) {
 	t.Parallel()
-	// At a 1s bound 2 million rows keep the walsender busy long enough; 10 million at the
+	// At a 1s bound 3 million rows keep the walsender busy long enough; 10 million at the
 	// default bound live in the long tier (neighbour_long_test.go).
-	bulkBesideTheRelay(t, 2_000_000, "--status-interval", "250ms", "--min-silence", "1s")
+	bulkBesideTheRelay(t, 3_000_000, true, "--status-interval", "250ms", "--min-silence", "1s")
 }
 
 // bulkBesideTheRelay commits rows rows into a neighbour's table in one transaction beside a
 // relay process started with args, then an outbox row, and requires the relay to relay it in
-// the session it had, having seen its walsender busy.
-func bulkBesideTheRelay(t *testing.T, rows int, args ...string) {
+// the session it had, and, with mustBeBusy, to have seen its walsender busy (else the test
+// tested nothing).
+func bulkBesideTheRelay(t *testing.T, rows int, mustBeBusy bool, args ...string) {
 	b := setup(t)
 	ctx := ctxT(t, 10*time.Minute)
 	createConversations(t, b.db.Pool, "c")
@@ -61,7 +62,11 @@ func bulkBesideTheRelay(t *testing.T, rows int, args ...string) {
 	require.NoError(t, err)
 	b.waitStream(t, "AGENT_TURNS", 1, 5*time.Minute)
 	t.Logf("the outbox row after %d neighbour rows relayed %s after the bulk insert began", rows, time.Since(started).Round(time.Millisecond))
-	require.True(t, p.logged("the walsender is busy decoding"), "the walsender was never busy long enough to test anything")
+	busy := p.logged("the walsender is busy decoding")
+	t.Logf("the relay saw its walsender busy: %v", busy)
+	if mustBeBusy {
+		require.True(t, busy, "the walsender was never busy long enough to test anything")
+	}
 	require.False(t, p.logged("relay session ended"), "the relay ended its session on a busy walsender")
 }
 
@@ -100,7 +105,7 @@ func TestHugeLogicalMessageOverASlowLinkIsLife(t *testing.T) {
 // A neighbour's transaction is open (holding a transaction id) when the relay first starts:
 // creating the slot waits for it to end, however long that is. The relay must say so, naming
 // the backend it waits for, and stream once the neighbour commits.
-func TestNeighboursLongTransactionHoldingSlotCreationIsReported(t *testing.T) {
+func TestNeighboursOpenTransactionHoldingSlotCreationIsReported(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := ctxT(t, 3*time.Minute)

@@ -373,42 +373,26 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 		return fmt.Errorf("%w: a walsender streams from it", errSlotBusy)
 	}
 	if action != slotStream {
-		var claimed bool
-		if err := r.bounded(ctx, func(ctx context.Context) (err error) {
-			claimed, err = claimFirstStart(ctx, conn, cfg.Slot)
-			return err
-		}); err != nil {
+		claim, fctx, err := r.claimFirstStart(ctx, conn)
+		if err != nil {
 			return err
 		}
-		if !claimed {
+		if claim == nil {
 			return fmt.Errorf("%w: another relay runs its first start", errSlotBusy)
+		}
+		err = r.firstStart(fctx, conn, repl, action, slot, claim.token)
+		lost := claim.lost.Load()
+		claim.release(ctx)
+		if err != nil && lost {
+			// The session ends (its connection may have lost a query to the cancel); the
+			// next one finds the claim another's and stands by.
+			return fmt.Errorf("lost the claim of the slot's first start to another relay: %w", err)
+		}
+		if err != nil {
+			return err
 		}
 	}
 	switch action {
-	case slotBackfill:
-		log.Warn("slot has no finished backfill; backfilling again from a snapshot taken now, keeping the slot",
-			"slot", cfg.Slot, "consistent_point", slot.confirmed)
-		lsn, err := pglogrepl.ParseLSN(slot.confirmed)
-		if err != nil {
-			return fmt.Errorf("slot %s confirmed_flush_lsn %q: %w", cfg.Slot, slot.confirmed, err)
-		}
-		r.confirmed.Store(uint64(lsn))
-		r.m.confirmedLSN.Set(float64(lsn))
-		if err := r.backfillAgain(ctx, conn, slot.confirmed); err != nil {
-			return err
-		}
-	case slotRecreate:
-		log.Warn("dropping a slot Baton did not create, as RecreateSlot allows", "slot", cfg.Slot, "plugin", slot.plugin)
-		if err := r.bounded(ctx, func(ctx context.Context) error {
-			return pglogrepl.DropReplicationSlot(ctx, repl, cfg.Slot, pglogrepl.DropReplicationSlotOptions{})
-		}); err != nil {
-			return fmt.Errorf("drop slot %s: %w", cfg.Slot, err)
-		}
-		fallthrough
-	case slotCreate:
-		if err := r.createAndBackfill(ctx, conn, repl); err != nil {
-			return err
-		}
 	case slotStream:
 		// The slot's position is the truth at every session start, also when it is behind
 		// what this process confirmed before: after a restore or a failover the slot may have
@@ -461,6 +445,34 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 	r.healthy.Store(true)
 	r.m.active.Set(1)
 	return r.replicate(ctx, conn, repl, frames, replay, flushed)
+}
+
+// firstStart runs the slot's first start that action says, under the claim token: creating
+// the slot (after dropping a foreign one, as RecreateSlot allows) and backfilling, or
+// backfilling again a slot whose backfill did not finish.
+func (r *Relay) firstStart(ctx context.Context, conn *pgx.Conn, repl *pgconn.PgConn, action slotAction, slot slotInfo, token string) error {
+	cfg := &r.cfg
+	log := cfg.Logger
+	switch action {
+	case slotBackfill:
+		log.Warn("slot has no finished backfill; backfilling again from a snapshot taken now, keeping the slot",
+			"slot", cfg.Slot, "consistent_point", slot.confirmed)
+		lsn, err := pglogrepl.ParseLSN(slot.confirmed)
+		if err != nil {
+			return fmt.Errorf("slot %s confirmed_flush_lsn %q: %w", cfg.Slot, slot.confirmed, err)
+		}
+		r.confirmed.Store(uint64(lsn))
+		r.m.confirmedLSN.Set(float64(lsn))
+		return r.backfillAgain(ctx, conn, slot.confirmed, token)
+	case slotRecreate:
+		log.Warn("dropping a slot Baton did not create, as RecreateSlot allows", "slot", cfg.Slot, "plugin", slot.plugin)
+		if err := r.bounded(ctx, func(ctx context.Context) error {
+			return pglogrepl.DropReplicationSlot(ctx, repl, cfg.Slot, pglogrepl.DropReplicationSlotOptions{})
+		}); err != nil {
+			return fmt.Errorf("drop slot %s: %w", cfg.Slot, err)
+		}
+	}
+	return r.createAndBackfill(ctx, conn, repl, token)
 }
 
 // lsnText scans an LSN printed as text ("0/16B3748").
