@@ -135,19 +135,14 @@ func TestNeighbourHoldingTheOldRelayLockDoesNotStopTheRelay(t *testing.T) {
 // (as baton_migrator) must not wait for it.
 func TestNeighbourHoldingTheOldMigrationLockDoesNotStopMigrate(t *testing.T) {
 	t.Parallel()
-	db, rs := setupRoles(t)
+	_, rs := setupRoles(t)
 	ctx := context.Background()
 	squatter, err := pgx.Connect(ctx, rs.url(t, roleApp))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = squatter.Close(ctx) })
 	_, err = squatter.Exec(ctx, `SELECT pg_advisory_lock($1)`, oldMigrationLockKey)
 	require.NoError(t, err)
-	// A version not applied yet, so that migrate has one to apply: the newest is taken back.
-	_, err = db.Pool.Exec(ctx, `DELETE FROM baton_schema_migrations WHERE version = (SELECT max(version) FROM baton_schema_migrations)`)
-	require.NoError(t, err)
-	_, err = db.Pool.Exec(ctx, `ALTER TABLE baton_relay_slots DROP COLUMN IF EXISTS starter_pid, DROP COLUMN IF EXISTS starter_started`)
-	require.NoError(t, err)
-
+	// The schema is current: migrate still takes its lock for every version it checks.
 	mctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(mctx, binary(t, "baton"), "migrate")
