@@ -77,6 +77,27 @@ func advAwaitGone(t *testing.T, b *bundle, pid int32) {
 	}, time.Minute, 50*time.Millisecond, "backend %d never ended", pid)
 }
 
+// advKilledClaimant starts a relay (logged in as a role of its own, whose URL it returns) whose
+// first start waits on a neighbour's open transaction, with a row of backlog, kills it
+// (kill -9) once it claimed the first start, commits the neighbour's transaction and waits
+// until the claimant's backend is gone; it returns that backend's pid too.
+func advKilledClaimant(t *testing.T, b *bundle) (string, int32) {
+	t.Helper()
+	ctx := ctxT(t, 4*time.Minute)
+	url := advRelayRole(t, b)
+	createConversations(t, b.db.Pool, "c")
+	_, err := send(ctx, b.db.Pool, "c", "backlog")
+	require.NoError(t, err)
+	commit := advOpenNeighbourTx(t, b)
+	a := b.startAdvProcess(t, url, b.nats.URL())
+	a.awaitLogged(t, "creating the slot waits for transactions")
+	claimant := advClaimant(t, b)
+	a.kill9(t)
+	commit()
+	advAwaitGone(t, b, claimant)
+	return url, claimant
+}
+
 // Control: the claimant relay is killed (kill -9) during its first start, while creating the
 // slot waits for a neighbour's transaction. Its backend ends with its socket, the claim is
 // free, and a second relay finishes the first start and streams.
@@ -84,23 +105,12 @@ func TestAdvNeighbourKilledClaimantFreesTheFirstStart(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := ctxT(t, 4*time.Minute)
-	url := advRelayRole(t, b)
-	createConversations(t, b.db.Pool, "c")
-	_, err := send(ctx, b.db.Pool, "c", "backlog")
-	require.NoError(t, err)
-	commit := advOpenNeighbourTx(t, b)
-
-	a := b.startAdvProcess(t, url, b.nats.URL())
-	a.awaitLogged(t, "creating the slot waits for transactions")
-	claimant := advClaimant(t, b)
-	a.kill9(t)
-	commit()
-	advAwaitGone(t, b, claimant)
+	url, _ := advKilledClaimant(t, b)
 
 	second := b.startAdvProcess(t, url, b.nats.URL())
 	require.Eventually(t, func() bool { return second.logged("msg=streaming") }, time.Minute, 50*time.Millisecond,
 		"the second relay never streamed after the claimant was killed")
-	_, err = send(ctx, b.db.Pool, "c", "after")
+	_, err := send(ctx, b.db.Pool, "c", "after")
 	require.NoError(t, err)
 	b.waitStream(t, "AGENT_TURNS", 2, time.Minute)
 }
@@ -146,21 +156,10 @@ func TestAdvNeighbourReusedClaimantPidHoldsTheFirstStartForEver(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
 			ctx := ctxT(t, 4*time.Minute)
-			url := advRelayRole(t, b)
-			createConversations(t, b.db.Pool, "c")
-			_, err := send(ctx, b.db.Pool, "c", "backlog")
-			require.NoError(t, err)
-			commit := advOpenNeighbourTx(t, b)
-
-			a := b.startAdvProcess(t, url, b.nats.URL())
-			a.awaitLogged(t, "creating the slot waits for transactions")
-			claimant := advClaimant(t, b)
-			a.kill9(t)
-			commit()
-			advAwaitGone(t, b, claimant)
+			url, claimant := advKilledClaimant(t, b)
 
 			reused := tc.reuse(t, b)
-			_, err = b.db.Pool.Exec(ctx, `UPDATE baton_relay_slots SET starter_pid = $2 WHERE slot_name = $1`, b.cfg.Slot, reused)
+			_, err := b.db.Pool.Exec(ctx, `UPDATE baton_relay_slots SET starter_pid = $2 WHERE slot_name = $1`, b.cfg.Slot, reused)
 			require.NoError(t, err)
 			t.Logf("the dead claimant's backend was pid %d; pid %d (%s) now has that number", claimant, reused, tc.name)
 
