@@ -6,8 +6,9 @@
 --   baton_relay     `baton relay`: REPLICATION, reads the outbox's queue columns (first-start
 --                   backfill), records its slots. It cannot read messages.
 --   baton_worker    agent workers (the consumer package): claims, leases and final commits.
---   baton_console   `baton console`: reads Baton's tables (it shows every message and the
---                   system's state) and sends user messages with baton_app's insert rights.
+--   baton_console   `baton console`: reads what its pages show (every message and the
+--                   system's state, not the internal error text or tool data workers record)
+--                   and sends user messages with baton_app's insert rights.
 --
 -- Run it as a superuser (or as the database owner with CREATEROLE and REPLICATION, who is also a
 -- member of baton_migrator once the schema is owned by it), connected to the Baton database:
@@ -209,14 +210,23 @@ BEGIN
         ON public.agent_runs TO baton_worker;
     GRANT EXECUTE ON FUNCTION public.baton_fence(boolean, text) TO baton_worker;
 
-    -- baton_console: reads what its pages show (conversations, messages, outbox rows, runs,
-    -- operations, the schema version; the slot comes from pg_replication_slots, readable by
-    -- all) and sends like baton_app: exactly its insert rights, user messages only (the
-    -- policies below). It updates and deletes nothing.
+    -- baton_console: reads what its pages show (conversations, messages, the schema version;
+    -- of outbox rows, runs and operations exactly the columns its queries and the status
+    -- report read: never the rows' last_error, the runs' error, nor the tools' input, output
+    -- and error, internal text a worker wrote; the slot comes from pg_replication_slots,
+    -- readable by all) and sends like baton_app: exactly its insert rights, user messages only
+    -- (the policies below). It updates and deletes nothing.
     GRANT SELECT, INSERT (id) ON public.conversations TO baton_console;
     GRANT SELECT, INSERT (id, conversation_id, role, content) ON public.messages TO baton_console;
-    GRANT SELECT, INSERT (conversation_id, message_id, trace_context) ON public.agent_outbox TO baton_console;
-    GRANT SELECT ON public.operations, public.agent_runs, public.baton_schema_migrations TO baton_console;
+    GRANT SELECT (id, conversation_id, message_id, status, attempts, created_at, available_at,
+                  processed_at, run_id, lease_expires_at, reply_id),
+          INSERT (conversation_id, message_id, trace_context)
+        ON public.agent_outbox TO baton_console;
+    GRANT SELECT (run_id, conversation_id, outbox_ids, worker, started_at, finished_at, outcome)
+        ON public.agent_runs TO baton_console;
+    GRANT SELECT (id, run_id, conversation_id, tool, effect, status, started_at, finished_at)
+        ON public.operations TO baton_console;
+    GRANT SELECT ON public.baton_schema_migrations TO baton_console;
 
     -- Who may write which messages: the app user messages, the worker replies. Policies are
     -- dropped and created again, so running this file again converges; the owner is exempt.
