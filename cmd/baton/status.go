@@ -38,8 +38,18 @@ note, url, turns and outcomes {name, exists, messages, bytes, first_seq, last_se
 cluster {replicas, cluster, leader, peers [{name, current, offline, active_seconds, lag}]}},
 consumer {name, stream, exists, num_pending, num_ack_pending, num_redelivered, num_waiting}},
 schema {version, binary_version}, shards (null without shard publications) {publication,
-count, missing, slots and stray: [slot objects as above]}. Sizes are bytes, ages seconds; a
+count, missing, slots and stray: [slot objects as above]}, replication_access {roles [{name,
+physical_refused, hba_line}], hba_checked, hba_note}. Sizes are bytes, ages seconds; a
 section that could not be read has an "error" field.
+
+Replication access: a role with REPLICATION that pg_hba.conf lets in over a physical
+replication connection can copy the whole cluster with pg_basebackup, every database and every
+role's password verifier; the relay needs logical replication connections only. For the
+relay's roles (baton_relay, and the role streaming from each slot) the report says whether
+pg_hba.conf refuses them, with the line that decides, and warns when a line lets one in. Only
+superusers may read pg_hba_file_rules: run as another role, it prints the line to add
+("host replication baton_relay all reject", before the others) and the query to check it with
+as a superuser.
 
 Sharded relays (baton migrate --shards N): the shard publications <BATON_PUBLICATION>_K are
 found by name, and each shard's slot <BATON_SLOT>_K is shown and judged like the main slot

@@ -44,7 +44,26 @@
 --     cluster revoked it from PUBLIC, grant it to baton_worker.
 --   * The relay reads pg_replication_slots, pg_stat_activity and pg_publication*, and
 --     creates its slot over a replication connection: REPLICATION and CONNECT are all it needs
---     for that. Replication connections to a database match `all` lines in pg_hba.conf.
+--     for that. Its replication connections are logical ones, to a database
+--     (replication=database): in pg_hba.conf they match the lines for that database (or `all`),
+--     as its other connections do, never the `replication` lines.
+--   * baton_relay can copy the whole cluster unless pg_hba.conf stops it. REPLICATION also
+--     admits physical replication connections, which match pg_hba.conf's `replication` lines,
+--     and the default file lets every role in with them (`host replication all ...`): then
+--     `pg_basebackup -U baton_relay` copies every database of the cluster and every role's
+--     password verifier (pg_authid). The relay never makes such a connection. Refuse them to it
+--     with a line above all others, then reload (SELECT pg_reload_conf()):
+--       host    replication    baton_relay    all    reject
+--     (and `local replication baton_relay reject` where others may log in on the server's
+--     host). `host` covers TCP with or without SSL; `replication` matches physical connections
+--     only, so the relay's logical ones still match your database lines and keep working.
+--     This file cannot do it: pg_hba.conf is the server's file. Check it as a superuser (only
+--     superusers may read pg_hba_file_rules): the first line naming baton_relay, or all, must
+--     be its reject line:
+--       SELECT line_number, type, database, user_name, address, auth_method, error
+--       FROM pg_hba_file_rules WHERE 'replication' = ANY (database) ORDER BY line_number;
+--     `baton status` shows this too: as a superuser it reads the rules and warns when one lets
+--     the relay in; as any other role it prints the line and the check.
 --   * Column privileges make the app's queue fields unwritable: an INSERT naming status,
 --     attempts, run_id or any other queue column fails with SQLSTATE 42501.
 --   * Privileges cannot restrict values, so messages has row-level security: baton_app may
@@ -61,7 +80,9 @@
 --     committed from its slot's creation on, whatever its table privileges: the replies it
 --     publishes, and, with a slot of its own and another output plugin installed on the server
 --     (test_decoding ships with PostgreSQL), every new row of every table, user messages'
---     content included. Guard its password like read access to all new data.
+--     content included. Guard its password like read access to all new data (to all data of
+--     the cluster, old and new, where pg_hba.conf lets it make physical replication
+--     connections: see above).
 --   * CREATE on schema public is revoked from PUBLIC (the default since PostgreSQL 15; clusters
 --     upgraded from older versions keep the old grant), so no role but the migrator creates
 --     objects there. Grant it back to roles of your own that need it.

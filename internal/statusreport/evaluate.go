@@ -20,7 +20,9 @@ import (
 // Warnings: no relay streaming (slot inactive: a relay between sessions or failing over is
 // briefly inactive, so this alone does not page; pending work going stale does); WAL retained
 // past max_wal_size; no workers' consumer yet; a stream replica offline or behind, or a
-// clustered stream of one replica; a schema older or newer than this binary.
+// clustered stream of one replica; a schema older or newer than this binary; a relay role
+// that pg_hba.conf lets in over a physical replication connection (read only when the
+// report's role may read pg_hba_file_rules), or relay roles that could not be read.
 func (r *Report) Evaluate() {
 	r.Attention, r.Warnings = []string{}, []string{}
 	attn := func(format string, args ...any) { r.Attention = append(r.Attention, fmt.Sprintf(format, args...)) }
@@ -83,6 +85,16 @@ func (r *Report) Evaluate() {
 		warn("schema at version %d, this binary expects %d: run `baton migrate`", sc.Version, sc.BinaryVersion)
 	case sc.Version > sc.BinaryVersion:
 		warn("schema at version %d is newer than this binary (%d): upgrade baton", sc.Version, sc.BinaryVersion)
+	}
+
+	// Replication access: a relay role that could copy the whole cluster. Advice, never a page.
+	if a := r.ReplicationAccess; a.Error != "" {
+		warn("replication access: %s", a.Error)
+	}
+	for _, role := range r.ReplicationAccess.Roles {
+		if role.PhysicalRefused != nil && !*role.PhysicalRefused && role.HBALine != nil {
+			warn("role %s may copy the whole cluster with pg_basebackup (every database, every role's password verifier): pg_hba.conf line %d lets its physical replication connections in; put `%s` before it, then SELECT pg_reload_conf()", role.Name, *role.HBALine, RejectLine(role.Name))
+		}
 	}
 
 	r.OK = len(r.Attention) == 0

@@ -39,7 +39,23 @@ func Gather(ctx context.Context, db DB, opts Options) *Report {
 	readSlot(ctx, db, &r.Slot)
 	readOutbox(ctx, db, &r.Outbox)
 	r.Shards = readShards(ctx, db, opts)
+	readReplicationAccess(ctx, db, opts.RelayRole, r.streamingPIDs(), &r.ReplicationAccess)
 	return r
+}
+
+// streamingPIDs are the walsenders streaming from the report's slots.
+func (r *Report) streamingPIDs() []int {
+	var pids []int
+	slots := []Slot{r.Slot}
+	if r.Shards != nil {
+		slots = append(append(slots, r.Shards.Slots...), r.Shards.Stray...)
+	}
+	for _, s := range slots {
+		if s.ActivePID != nil {
+			pids = append(pids, *s.ActivePID)
+		}
+	}
+	return pids
 }
 
 func readSchema(ctx context.Context, db DB, schema string, s *Schema) {
@@ -176,6 +192,105 @@ func readOutbox(ctx context.Context, db DB, o *Outbox) {
 	}
 	if err := db.QueryRow(ctx, claimSQL).Scan(&o.OldestProcessingAt, &o.OldestProcessingAgeSeconds); err != nil {
 		o.Error = fmt.Sprintf("read agent_runs: %v", err)
+	}
+}
+
+// relayRolesSQL lists the relay's login roles with REPLICATION ($1, and the users of the
+// walsenders $2), superusers aside, each with the roles it is a member of. pg_roles and
+// pg_stat_activity's usename are readable by every role.
+const relayRolesSQL = `SELECT r.rolname, ARRAY(SELECT g.rolname FROM pg_roles g
+		WHERE g.oid <> r.oid AND pg_has_role(r.oid, g.oid, 'MEMBER') ORDER BY 1)
+	FROM pg_roles r
+	WHERE r.rolreplication AND r.rolcanlogin AND NOT r.rolsuper
+		AND (r.rolname = $1 OR r.rolname IN (SELECT usename FROM pg_stat_activity WHERE pid = ANY ($2::int[])))
+	ORDER BY 1`
+
+// hbaReadableSQL says whether this role may read pg_hba_file_rules (superusers, unless
+// granted).
+const hbaReadableSQL = `SELECT has_function_privilege('pg_catalog.pg_hba_file_rules()', 'EXECUTE')
+	AND has_table_privilege('pg_catalog.pg_hba_file_rules', 'SELECT')`
+
+// hbaRulesSQL reads pg_hba.conf's rules in the order they apply: by rule_number where the
+// server has it (PostgreSQL 16, whose included files number their lines each from 1), by
+// line number otherwise.
+const hbaRulesSQL = `SELECT h.line_number, coalesce(h.type, ''), coalesce(h.database, '{}'), coalesce(h.user_name, '{}'),
+		coalesce(h.address, ''), coalesce(h.auth_method, ''), coalesce(h.error, '')
+	FROM pg_hba_file_rules h
+	ORDER BY coalesce((to_jsonb(h) ->> 'rule_number')::int, h.line_number), h.line_number`
+
+// readReplicationAccess finds the relay's roles with REPLICATION and, when this role may read
+// pg_hba.conf's rules, whether they refuse those roles' physical replication connections.
+func readReplicationAccess(ctx context.Context, db DB, relayRole string, pids []int, a *ReplicationAccess) {
+	a.Roles = []ReplicationRole{}
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		a.Error = fmt.Sprintf("read replication roles: %v", err)
+		return
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if pids == nil {
+		pids = []int{}
+	}
+	rows, err := tx.Query(ctx, relayRolesSQL, relayRole, pids)
+	if err != nil {
+		a.Error = fmt.Sprintf("read replication roles: %v", err)
+		return
+	}
+	type role struct {
+		name     string
+		memberOf []string
+	}
+	roles, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (role, error) {
+		var x role
+		err := r.Scan(&x.name, &x.memberOf)
+		return x, err
+	})
+	if err != nil {
+		a.Error = fmt.Sprintf("read replication roles: %v", err)
+		return
+	}
+	if len(roles) == 0 {
+		return
+	}
+	for _, x := range roles {
+		a.Roles = append(a.Roles, ReplicationRole{Name: x.name})
+	}
+	var readable bool
+	if err := tx.QueryRow(ctx, hbaReadableSQL).Scan(&readable); err != nil {
+		a.HBANote = fmt.Sprintf("could not tell whether pg_hba_file_rules is readable: %v", err)
+		return
+	}
+	if !readable {
+		a.HBANote = "only superusers may read pg_hba_file_rules"
+		return
+	}
+	rows, err = tx.Query(ctx, hbaRulesSQL)
+	if err != nil {
+		a.HBANote = fmt.Sprintf("read pg_hba_file_rules: %v", err)
+		return
+	}
+	rules, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (hbaRule, error) {
+		var h hbaRule
+		err := r.Scan(&h.Line, &h.Type, &h.Database, &h.User, &h.Address, &h.Method, &h.Error)
+		return h, err
+	})
+	if err != nil {
+		a.HBANote = fmt.Sprintf("read pg_hba_file_rules: %v", err)
+		return
+	}
+	for _, h := range rules {
+		if h.Error != "" {
+			a.HBANote = fmt.Sprintf("pg_hba.conf line %d has an error (%s): the server keeps the rules it loaded before, which cannot be read", h.Line, h.Error)
+			return
+		}
+	}
+	a.HBAChecked = true
+	for i, x := range roles {
+		refused, line := physicalAccess(rules, x.name, x.memberOf)
+		a.Roles[i].PhysicalRefused = &refused
+		if line > 0 {
+			a.Roles[i].HBALine = &line
+		}
 	}
 }
 

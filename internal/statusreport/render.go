@@ -146,6 +146,8 @@ func WriteText(w io.Writer, r *Report) error {
 		p("  version\t%d (this binary: %d)", sc.Version, sc.BinaryVersion)
 	}
 
+	writeReplicationAccess(p, r.ReplicationAccess)
+
 	p("")
 	if len(r.Attention) > 0 {
 		p("attention:")
@@ -204,6 +206,38 @@ func writeShards(p func(string, ...any), sh *Shards) {
 	}
 	for _, s := range sh.Stray {
 		line("stray", s)
+	}
+}
+
+// writeReplicationAccess writes the relay roles' physical replication access and, when
+// pg_hba.conf could not be read, the line to add and the check to run as a superuser.
+// Nothing when no relay role has REPLICATION (a relay logged in as a superuser).
+func writeReplicationAccess(p func(string, ...any), a ReplicationAccess) {
+	if a.Error == "" && len(a.Roles) == 0 {
+		return
+	}
+	p("\nReplication access\t(pg_basebackup as a REPLICATION role copies every database and every role's password verifier)")
+	if a.Error != "" {
+		p("  error\t%s", a.Error)
+		return
+	}
+	for _, role := range a.Roles {
+		switch {
+		case role.PhysicalRefused == nil:
+			p("  %s\tREPLICATION; pg_hba.conf not checked: %s", role.Name, a.HBANote)
+		case *role.PhysicalRefused && role.HBALine != nil:
+			p("  %s\tphysical replication refused (pg_hba.conf line %d)", role.Name, *role.HBALine)
+		case *role.PhysicalRefused:
+			p("  %s\tphysical replication refused (no pg_hba.conf line lets it in)", role.Name)
+		default:
+			p("  %s\tphysical replication ALLOWED by pg_hba.conf line %d: put `%s` before it, then SELECT pg_reload_conf()", role.Name, *role.HBALine, RejectLine(role.Name))
+		}
+	}
+	if !a.HBAChecked {
+		for _, role := range a.Roles {
+			p("  advice\tput `%s` before pg_hba.conf's other lines, then SELECT pg_reload_conf(); the relay's logical replication connections match the database lines and keep working", RejectLine(role.Name))
+		}
+		p("  check as a superuser\t%s (the first line naming the role, or all, must be its reject line)", HBACheckSQL)
 	}
 }
 

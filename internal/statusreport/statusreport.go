@@ -1,6 +1,7 @@
 // Package statusreport builds what `baton status` shows: the relay's replication slot, the
-// outbox, the JetStream streams and the workers' consumer, and the schema version, plus the
-// list of things that need an operator's attention.
+// outbox, the JetStream streams and the workers' consumer, the schema version, and whether
+// pg_hba.conf keeps the relay's role from copying the whole cluster, plus the list of things
+// that need an operator's attention.
 //
 // Reading (Gather, GatherStreams) is kept apart from judging (Report.Evaluate) and printing
 // (WriteText, WriteJSON), which are pure functions of a Report. Ages are computed by the
@@ -25,6 +26,7 @@ const (
 	DefaultSubjectPrefix = wire.DefaultSubjectPrefix
 	DefaultDurable       = "baton-workers"
 	DefaultStaleAfter    = 5 * time.Minute
+	DefaultRelayRole     = "baton_relay"
 )
 
 // Options says what to look at. Zero values take the defaults above.
@@ -46,6 +48,10 @@ type Options struct {
 	// <Publication>_<K> are the shards of `baton migrate --shards N`, whose relays stream from
 	// slots <Slot>_<K>. Default "baton".
 	Publication string
+	// RelayRole is the relay's login role (deploy/postgres/roles.sql): its physical
+	// replication access is checked, with that of the role of every walsender streaming from
+	// the report's slots. Default "baton_relay".
+	RelayRole string
 }
 
 func (o *Options) fill() {
@@ -59,6 +65,7 @@ func (o *Options) fill() {
 	def(&o.Durable, DefaultDurable)
 	def(&o.Schema, "public")
 	def(&o.Publication, DefaultPublication)
+	def(&o.RelayRole, DefaultRelayRole)
 	if o.StaleAfter <= 0 {
 		o.StaleAfter = DefaultStaleAfter
 	}
@@ -85,6 +92,41 @@ type Report struct {
 	Schema  Schema  `json:"schema"`
 	// Shards is the sharded relays' side; null when the database has no shard publications.
 	Shards *Shards `json:"shards"`
+	// ReplicationAccess is whether the relay's roles could copy the whole cluster.
+	ReplicationAccess ReplicationAccess `json:"replication_access"`
+}
+
+// ReplicationAccess is the physical replication access of the relay's roles. A role with
+// REPLICATION that pg_hba.conf lets in over a physical replication connection (its
+// `replication` lines) can copy the whole cluster with pg_basebackup: every database and every
+// role's password verifier. The relay needs only logical replication connections, which match
+// pg_hba.conf's database lines, so a line `host replication <role> all reject` before the
+// others takes that away and leaves the relay working.
+type ReplicationAccess struct {
+	// Roles are the login roles with REPLICATION, superusers aside (they may read everything
+	// anyway), that are the relay's: Options.RelayRole and the role of each walsender streaming
+	// from the report's slots. Empty when there is none.
+	Roles []ReplicationRole `json:"roles"`
+	// HBAChecked is true when pg_hba.conf's rules were read (pg_hba_file_rules: superusers
+	// only, by default) and had no error; HBANote says why they were not otherwise. The rules
+	// are those of the file on disk, which the server loads when reloaded.
+	HBAChecked bool   `json:"hba_checked"`
+	HBANote    string `json:"hba_note,omitempty"`
+	// Error is set when the roles could not be read.
+	Error string `json:"error,omitempty"`
+}
+
+// ReplicationRole is one of the relay's roles and what pg_hba.conf says to its physical
+// replication connections over TCP.
+type ReplicationRole struct {
+	Name string `json:"name"`
+	// PhysicalRefused is true when pg_hba.conf refuses them from every address (a `host
+	// replication` reject line for the role, or for all, before any line that lets it in; or no
+	// line for it), false when a line lets some in; null when the rules were not checked.
+	PhysicalRefused *bool `json:"physical_refused"`
+	// HBALine is the line number that decides: the reject line or the first line that lets
+	// the role in; null when no line does or the rules were not checked.
+	HBALine *int `json:"hba_line"`
 }
 
 // Shards are the shard publications of `baton migrate --shards N` and the slots of their
