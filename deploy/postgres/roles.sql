@@ -15,6 +15,13 @@
 --
 --   psql -v ON_ERROR_STOP=1 -d baton -f deploy/postgres/roles.sql
 --
+-- Baton's schema and publication other than public and baton (BATON_SCHEMA, BATON_PUBLICATION)
+-- are given as the settings baton.schema and baton.publication; the shard publications
+-- <publication>_<K> of `baton migrate --shards` are found by name:
+--
+--   PGOPTIONS='-c baton.schema=agents -c baton.publication=agents_pub' \
+--     psql -v ON_ERROR_STOP=1 -d baton -f deploy/postgres/roles.sql
+--
 -- It is safe to run again, and must be run again after every `baton migrate` that adds tables or
 -- columns Baton writes (version 8: trace_context):
 -- roles are created when missing, and every table's privileges are reset to exactly what is
@@ -158,24 +165,43 @@ BEGIN
     EXECUTE format('GRANT CREATE ON DATABASE %I TO baton_migrator', current_database());
 END
 $$;
+-- Baton's schema is baton.schema (default public; see the top of this file). One that does not
+-- exist yet is created by `baton migrate` (CREATE on the database), owned by the migrator.
 REVOKE CREATE ON SCHEMA public FROM PUBLIC;
-GRANT USAGE, CREATE ON SCHEMA public TO baton_migrator;
-GRANT USAGE ON SCHEMA public TO baton_app, baton_relay, baton_worker, baton_console;
+DO $$
+DECLARE
+    s text := coalesce(nullif(current_setting('baton.schema', true), ''), 'public');
+BEGIN
+    IF to_regnamespace(quote_ident(s)) IS NULL THEN
+        RAISE NOTICE 'schema % does not exist yet: `baton migrate` creates it; run this file again after it', s;
+        RETURN;
+    END IF;
+    EXECUTE format('REVOKE CREATE ON SCHEMA %I FROM PUBLIC', s);
+    EXECUTE format('GRANT USAGE, CREATE ON SCHEMA %I TO baton_migrator', s);
+    EXECUTE format('GRANT USAGE ON SCHEMA %I TO baton_app, baton_relay, baton_worker, baton_console', s);
+END
+$$;
 
 -- Ownership and table privileges, once `baton migrate` created the schema.
 DO $$
 DECLARE
+    s text := coalesce(nullif(current_setting('baton.schema', true), ''), 'public');
+    pub text := coalesce(nullif(current_setting('baton.publication', true), ''), 'baton');
     missing text;
+    p record;
 BEGIN
-    IF to_regclass('public.agent_outbox') IS NULL THEN
-        RAISE NOTICE 'Baton schema not found in database %: run `baton migrate` as baton_migrator, then run this file again',
-            current_database();
+    IF to_regnamespace(quote_ident(s)) IS NULL OR to_regclass(quote_ident(s) || '.agent_outbox') IS NULL THEN
+        RAISE NOTICE 'Baton schema not found in schema % of database %: run `baton migrate` as baton_migrator, then run this file again',
+            s, current_database();
         RETURN;
     END IF;
+    -- Every name below is Baton's, in its schema: the search_path of this block is that schema
+    -- alone (pg_catalog is searched first anyway).
+    PERFORM set_config('search_path', quote_ident(s), true);
     SELECT string_agg(t, ', ') INTO missing
     FROM unnest(ARRAY['conversations', 'messages', 'agent_outbox', 'operations', 'agent_runs',
                       'baton_relay_slots', 'baton_schema_migrations']) AS t
-    WHERE to_regclass('public.' || t) IS NULL;
+    WHERE to_regclass(quote_ident(s) || '.' || t) IS NULL;
     IF missing IS NOT NULL THEN
         RAISE EXCEPTION 'Baton schema in database % is incomplete (missing %): run `baton migrate` first',
             current_database(), missing;
@@ -183,53 +209,58 @@ BEGIN
 
     -- The migrator owns everything Baton's migrations create (a no-op when it created them).
     -- Identity sequences follow their tables.
-    ALTER TABLE public.conversations OWNER TO baton_migrator;
-    ALTER TABLE public.messages OWNER TO baton_migrator;
-    ALTER TABLE public.agent_outbox OWNER TO baton_migrator;
-    ALTER TABLE public.operations OWNER TO baton_migrator;
-    ALTER TABLE public.agent_runs OWNER TO baton_migrator;
-    ALTER TABLE public.baton_relay_slots OWNER TO baton_migrator;
-    ALTER TABLE public.baton_schema_migrations OWNER TO baton_migrator;
-    ALTER FUNCTION public.baton_fence(boolean, text) OWNER TO baton_migrator;
-    ALTER PUBLICATION baton OWNER TO baton_migrator;
+    ALTER TABLE conversations OWNER TO baton_migrator;
+    ALTER TABLE messages OWNER TO baton_migrator;
+    ALTER TABLE agent_outbox OWNER TO baton_migrator;
+    ALTER TABLE operations OWNER TO baton_migrator;
+    ALTER TABLE agent_runs OWNER TO baton_migrator;
+    ALTER TABLE baton_relay_slots OWNER TO baton_migrator;
+    ALTER TABLE baton_schema_migrations OWNER TO baton_migrator;
+    ALTER FUNCTION baton_fence(boolean, text) OWNER TO baton_migrator;
+    -- The publication and the shard publications <publication>_<K> (baton migrate --shards).
+    FOR p IN SELECT pubname FROM pg_publication
+             WHERE pubname = pub OR (left(pubname, length(pub) + 1) = pub || '_'
+                                     AND substr(pubname, length(pub) + 2) ~ '^[0-9]+$') LOOP
+        EXECUTE format('ALTER PUBLICATION %I OWNER TO baton_migrator', p.pubname);
+    END LOOP;
 
     -- Start from nothing, so running this file again converges on what it grants. Revoking a
     -- table's privileges also revokes its column privileges.
-    REVOKE ALL ON public.conversations, public.messages, public.agent_outbox, public.operations,
-        public.agent_runs, public.baton_relay_slots, public.baton_schema_migrations
+    REVOKE ALL ON conversations, messages, agent_outbox, operations,
+        agent_runs, baton_relay_slots, baton_schema_migrations
         FROM PUBLIC, baton_app, baton_relay, baton_worker, baton_console;
-    REVOKE ALL ON FUNCTION public.baton_fence(boolean, text) FROM PUBLIC, baton_app, baton_relay, baton_worker, baton_console;
+    REVOKE ALL ON FUNCTION baton_fence(boolean, text) FROM PUBLIC, baton_app, baton_relay, baton_worker, baton_console;
 
     -- baton_app: producer.CreateConversation, producer.Send and SendTx (which read back the
     -- message and outbox row of a retried id), and reading the conversation. Queue fields keep
     -- their defaults: status, attempts, run_id, lease and reply columns are not insertable.
     -- Its messages are user messages (the policies below). trace_context is the sender's W3C
     -- traceparent (migration 8), which everyone who reads it checks.
-    GRANT SELECT, INSERT (id) ON public.conversations TO baton_app;
-    GRANT SELECT, INSERT (id, conversation_id, role, content) ON public.messages TO baton_app;
-    GRANT SELECT, INSERT (conversation_id, message_id, trace_context) ON public.agent_outbox TO baton_app;
+    GRANT SELECT, INSERT (id) ON conversations TO baton_app;
+    GRANT SELECT, INSERT (id, conversation_id, role, content) ON messages TO baton_app;
+    GRANT SELECT, INSERT (conversation_id, message_id, trace_context) ON agent_outbox TO baton_app;
 
     -- baton_relay: the first-start backfill reads the unfinished outbox rows' queue columns
     -- (never last_error, nor any message); the slot record is its own. Streaming needs no table
     -- privilege: REPLICATION.
     GRANT SELECT (id, conversation_id, message_id, status, attempts, created_at)
-        ON public.agent_outbox TO baton_relay;
-    GRANT SELECT, INSERT, UPDATE ON public.baton_relay_slots TO baton_relay;
+        ON agent_outbox TO baton_relay;
+    GRANT SELECT, INSERT, UPDATE ON baton_relay_slots TO baton_relay;
 
     -- baton_worker: claims (lock the conversation, take pending rows), leases, tool operations,
     -- the final commit, recovery. It deletes nothing. A reply's trace_context is the turn span's.
-    GRANT SELECT, UPDATE (last_message_at, unread_count) ON public.conversations TO baton_worker;
-    GRANT SELECT, INSERT (id, conversation_id, role, content, trace_context) ON public.messages TO baton_worker;
+    GRANT SELECT, UPDATE (last_message_at, unread_count) ON conversations TO baton_worker;
+    GRANT SELECT, INSERT (id, conversation_id, role, content, trace_context) ON messages TO baton_worker;
     GRANT SELECT, UPDATE (status, attempts, processed_at, run_id, lease_expires_at, reply_id,
                           last_error, available_at)
-        ON public.agent_outbox TO baton_worker;
+        ON agent_outbox TO baton_worker;
     GRANT SELECT, INSERT (run_id, conversation_id, tool, effect, input),
           UPDATE (message_id, status, output, error, finished_at)
-        ON public.operations TO baton_worker;
+        ON operations TO baton_worker;
     GRANT SELECT, INSERT (run_id, conversation_id, outbox_ids, worker),
           UPDATE (finished_at, outcome, error)
-        ON public.agent_runs TO baton_worker;
-    GRANT EXECUTE ON FUNCTION public.baton_fence(boolean, text) TO baton_worker;
+        ON agent_runs TO baton_worker;
+    GRANT EXECUTE ON FUNCTION baton_fence(boolean, text) TO baton_worker;
 
     -- baton_console: reads what its pages show (conversations, messages, the schema version;
     -- of outbox rows, runs and operations exactly the columns its queries and the status
@@ -237,35 +268,35 @@ BEGIN
     -- and error, internal text a worker wrote; the slot comes from pg_replication_slots,
     -- readable by all) and sends like baton_app: exactly its insert rights, user messages only
     -- (the policies below). It updates and deletes nothing.
-    GRANT SELECT, INSERT (id) ON public.conversations TO baton_console;
-    GRANT SELECT, INSERT (id, conversation_id, role, content) ON public.messages TO baton_console;
+    GRANT SELECT, INSERT (id) ON conversations TO baton_console;
+    GRANT SELECT, INSERT (id, conversation_id, role, content) ON messages TO baton_console;
     GRANT SELECT (id, conversation_id, message_id, status, attempts, created_at, available_at,
                   processed_at, run_id, lease_expires_at, reply_id),
           INSERT (conversation_id, message_id, trace_context)
-        ON public.agent_outbox TO baton_console;
+        ON agent_outbox TO baton_console;
     GRANT SELECT (run_id, conversation_id, outbox_ids, worker, started_at, finished_at, outcome)
-        ON public.agent_runs TO baton_console;
+        ON agent_runs TO baton_console;
     GRANT SELECT (id, run_id, conversation_id, tool, effect, status, started_at, finished_at)
-        ON public.operations TO baton_console;
-    GRANT SELECT ON public.baton_schema_migrations TO baton_console;
+        ON operations TO baton_console;
+    GRANT SELECT ON baton_schema_migrations TO baton_console;
 
     -- Who may write which messages: the app user messages, the worker replies. Policies are
     -- dropped and created again, so running this file again converges; the owner is exempt.
-    ALTER TABLE public.messages ENABLE ROW LEVEL SECURITY;
-    DROP POLICY IF EXISTS messages_app_select ON public.messages;
-    DROP POLICY IF EXISTS messages_app_insert ON public.messages;
-    DROP POLICY IF EXISTS messages_worker_select ON public.messages;
-    DROP POLICY IF EXISTS messages_worker_insert ON public.messages;
-    DROP POLICY IF EXISTS messages_console_select ON public.messages;
-    DROP POLICY IF EXISTS messages_console_insert ON public.messages;
-    CREATE POLICY messages_app_select ON public.messages FOR SELECT TO baton_app USING (true);
-    CREATE POLICY messages_app_insert ON public.messages FOR INSERT TO baton_app
+    ALTER TABLE messages ENABLE ROW LEVEL SECURITY;
+    DROP POLICY IF EXISTS messages_app_select ON messages;
+    DROP POLICY IF EXISTS messages_app_insert ON messages;
+    DROP POLICY IF EXISTS messages_worker_select ON messages;
+    DROP POLICY IF EXISTS messages_worker_insert ON messages;
+    DROP POLICY IF EXISTS messages_console_select ON messages;
+    DROP POLICY IF EXISTS messages_console_insert ON messages;
+    CREATE POLICY messages_app_select ON messages FOR SELECT TO baton_app USING (true);
+    CREATE POLICY messages_app_insert ON messages FOR INSERT TO baton_app
         WITH CHECK (role = 'user');
-    CREATE POLICY messages_worker_select ON public.messages FOR SELECT TO baton_worker USING (true);
-    CREATE POLICY messages_worker_insert ON public.messages FOR INSERT TO baton_worker
+    CREATE POLICY messages_worker_select ON messages FOR SELECT TO baton_worker USING (true);
+    CREATE POLICY messages_worker_insert ON messages FOR INSERT TO baton_worker
         WITH CHECK (role IN ('assistant', 'error'));
-    CREATE POLICY messages_console_select ON public.messages FOR SELECT TO baton_console USING (true);
-    CREATE POLICY messages_console_insert ON public.messages FOR INSERT TO baton_console
+    CREATE POLICY messages_console_select ON messages FOR SELECT TO baton_console USING (true);
+    CREATE POLICY messages_console_insert ON messages FOR INSERT TO baton_console
         WITH CHECK (role = 'user');
 END
 $$;
