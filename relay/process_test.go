@@ -334,7 +334,8 @@ func TestStartupChecksNameTheProblem(t *testing.T) {
 	ctx := ctxT(t, 2*time.Minute)
 	b := setup(t)
 
-	// A role without REPLICATION.
+	// A role without REPLICATION (refused, as it should be).
+	b.db.AllowPrivilegeErrors()
 	_, err := b.db.Pool.Exec(ctx, `CREATE ROLE `+b.db.Name+`_app LOGIN`)
 	require.NoError(t, err)
 	t.Cleanup(func() {

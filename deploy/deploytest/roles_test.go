@@ -231,6 +231,7 @@ func newProducer(t *testing.T) *producer.Producer {
 func TestRolesApp(t *testing.T) {
 	t.Parallel()
 	db, rs := setupRoles(t)
+	db.AllowPrivilegeErrors() // it requires the roles' refusals
 	ctx := context.Background()
 	app := rs.pool(t, roleApp)
 	p := newProducer(t)
@@ -333,6 +334,7 @@ func TestRolesApp(t *testing.T) {
 func TestRolesConsole(t *testing.T) {
 	t.Parallel()
 	db, rs := setupRoles(t)
+	db.AllowPrivilegeErrors() // it requires the roles' refusals
 	ctx := context.Background()
 	console := rs.pool(t, roleConsole)
 	p := newProducer(t)
@@ -459,6 +461,7 @@ func outboxState(admin *pgxpool.Pool, messageID string) (status, replyRole strin
 func TestRolesAppCannotQueueAReply(t *testing.T) {
 	t.Parallel()
 	db, rs := setupRoles(t)
+	db.AllowPrivilegeErrors() // it requires the roles' refusals
 	ctx := context.Background()
 	app := rs.pool(t, roleApp)
 	p := newProducer(t)
@@ -480,6 +483,7 @@ func TestRolesAppCannotQueueAReply(t *testing.T) {
 func TestRolesWorker(t *testing.T) {
 	t.Parallel()
 	db, rs := setupRoles(t)
+	db.AllowPrivilegeErrors() // it requires the roles' refusals
 	ctx := context.Background()
 	app := rs.pool(t, roleApp)
 	p := newProducer(t)
@@ -562,6 +566,7 @@ func TestRolesWorker(t *testing.T) {
 func TestRolesRelay(t *testing.T) {
 	t.Parallel()
 	db, rs := setupRoles(t)
+	db.AllowPrivilegeErrors() // it requires the roles' refusals
 	ctx := context.Background()
 	app := rs.pool(t, roleApp)
 	p := newProducer(t)
@@ -655,6 +660,7 @@ func TestRolesRelay(t *testing.T) {
 func TestRolesMigrator(t *testing.T) {
 	t.Parallel()
 	db, rs := setupRoles(t)
+	db.AllowPrivilegeErrors() // it requires the roles' refusals
 	ctx := context.Background()
 
 	// The schema now belongs to the migrator, which the superuser created it as.

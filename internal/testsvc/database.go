@@ -140,6 +140,8 @@ type Database struct {
 	Name string
 	URL  string
 	Pool *pgxpool.Pool
+
+	allowPrivilegeErrors atomic.Bool // see AllowPrivilegeErrors
 }
 
 // NewDatabase returns a fresh, migrated database, dropped when the test ends together with any
@@ -170,6 +172,7 @@ func NewDatabase(t testing.TB) *Database {
 	db.Pool = pool
 	t.Cleanup(func() {
 		pool.Close()
+		db.checkPrivilegeErrors(t)
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		if err := DropSlots(ctx, shared.admin, name); err != nil {

@@ -172,6 +172,7 @@ synchronous_commit = on
 wal_sender_timeout = 60s
 max_slot_wal_keep_size = 4GB
 log_min_messages = warning
+log_line_prefix = '%m [%p] %e %u@%d '
 `
 
 // configure writes what opts asks for into the data directory, before the first start.
@@ -228,6 +229,10 @@ func appendFile(path, text string) error {
 func (p *Postgres) dataDir() string { return filepath.Join(p.Dir, "data") }
 
 func (p *Postgres) logPath() string { return filepath.Join(p.Dir, "postgres.log") }
+
+// LogPath returns the server's log file. Each line starts with log_line_prefix
+// '%m [%p] %e %u@%d ': time, pid, SQLSTATE, user@database.
+func (p *Postgres) LogPath() string { return p.logPath() }
 
 // command runs name, a binary from binDir, in the cluster's directory as the cluster's user.
 // ctx kills it when it ends.
