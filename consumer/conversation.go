@@ -111,12 +111,11 @@ func (l *convLoop) run(ctx context.Context, since time.Time) {
 			l.drop()
 			return
 		}
-		runID := newRunID()
 		claimed := time.Now() // span timestamps are wall time, whatever the worker's clock
-		c, err := w.claims.do(ctx, claimReq{l.conv, runID})
+		c, err := w.claims.do(ctx, claimReq{l.conv, newRunID()})
 		var terminal []int64
 		if err == nil && len(c.ids) > 0 {
-			terminal = w.runTurn(ctx, l.conv, runID, c, claimed)
+			terminal = w.runTurn(ctx, l.conv, c.runID, c, claimed) // c.runID: claimMany may claim again under a new run
 		}
 		<-w.sem
 		if err != nil {

@@ -67,7 +67,7 @@ func TestFinishWhoseAnswerWasLost(t *testing.T) {
 }
 
 // A claim whose answer is lost (the connection dropped after the claim committed) hands its
-// rows back at once, attempt refunded and run record removed, instead of leaving them
+// rows back at once, attempt refunded and run record ended as released, instead of leaving them
 // processing under a run nobody runs until the lease ends.
 func TestClaimWhoseAnswerWasLost(t *testing.T) {
 	ctx := context.Background()
@@ -89,6 +89,7 @@ func TestClaimWhoseAnswerWasLost(t *testing.T) {
 	require.Error(t, err)
 	require.Equal(t, []string{"pending 0"}, testsvc.Query[string](t, db,
 		`SELECT status || ' ' || attempts FROM agent_outbox WHERE conversation_id = 'c'`))
-	require.Empty(t, testsvc.Query[string](t, db, `SELECT run_id::text FROM agent_runs WHERE conversation_id = 'c'`),
-		"no handler saw the run: its record goes, and its id can claim again")
+	require.Equal(t, []string{"released"}, testsvc.Query[string](t, db,
+		`SELECT coalesce(outcome, 'open') FROM agent_runs WHERE conversation_id = 'c' AND finished_at IS NOT NULL`),
+		"no handler saw the run: its record ends as released (baton_worker deletes nothing)")
 }

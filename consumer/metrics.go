@@ -13,6 +13,7 @@ type metrics struct {
 	events         *prometheus.CounterVec // result: acked|nacked|terminated|misaddressed
 	running        prometheus.Gauge
 	batchSize      *prometheus.HistogramVec // statement: claim|finish|tool|history
+	lostClaims     *prometheus.CounterVec   // result: handed_back|failed
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -49,10 +50,13 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "baton_worker_batch_size", Help: "Conversations per claim or final-commit statement, tool calls per record statement, turns per history read (more under load).",
 			Buckets: []float64{1, 2, 4, 8, 16, 32, 64},
 		}, []string{"statement"}),
+		lostClaims: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "baton_worker_lost_claims_total", Help: "Runs of claims that failed after they may have committed (the answer was lost): handed_back (they had committed: rows pending again, attempt refunded), failed (not handed back: rows they took wait for their lease to end).",
+		}, []string{"result"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.turns, m.turnSeconds, m.claimConflicts, m.oldestPending, m.recoveries, m.attempts,
-			m.operations, m.events, m.running, m.batchSize)
+			m.operations, m.events, m.running, m.batchSize, m.lostClaims)
 	}
 	return m
 }

@@ -2,9 +2,11 @@ package consumer
 
 import (
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // This file holds every SQL statement of the package, grouped by role. The methods that run
@@ -29,6 +31,12 @@ type store struct {
 	// lockTimeout bounds how long a claim, a tool record or end, a final commit, a run's end
 	// or a recovery waits for a row lock; zero: defaultLockTimeout.
 	lockTimeout time.Duration
+	// log gets what no caller can be told: a lost claim that could not be handed back
+	// (Config.Logger); nil: discarded.
+	log *slog.Logger
+	// lostClaims counts claims whose answer was lost, by result (handed_back, failed); nil: not
+	// counted.
+	lostClaims *prometheus.CounterVec
 }
 
 // defaultLockTimeout is how long a claim or final commit waits for a row another transaction
@@ -169,13 +177,24 @@ LEFT JOIN claimed c ON c.conversation_id = i.conversation_id
 LEFT JOIN messages m ON m.id = c.message_id
 GROUP BY i.conversation_id, conv.id`
 
-// unclaimRowsSQL and unclaimRunsSQL undo a claim whose answer was lost: the runs' rows go back
-// to pending with the attempt refunded, and their run records go.
-const (
-	unclaimRowsSQL = `UPDATE agent_outbox SET status = 'pending', run_id = NULL, lease_expires_at = NULL,
-		attempts = greatest(attempts - 1, 0) WHERE run_id = ANY($1::uuid[]) AND status = 'processing'`
-	unclaimRunsSQL = `DELETE FROM agent_runs WHERE run_id = ANY($1::uuid[]) AND finished_at IS NULL`
+// unclaimSQL undoes claims whose answer was lost, for runs $1 of conversations $2: the runs'
+// rows go back to pending with the attempt refunded (no handler saw them), and the runs' records
+// end as released, with $3 as their error; it returns how many runs it ended (the claims that
+// had committed). It updates and
+// deletes nothing else: baton_worker may not delete run records (deploy/postgres/roles.sql), and
+// a record says what happened. A run id whose record ended this way never claims again (the
+// claim's insert of its record would fail): claimMany claims again under new run ids.
+const unclaimSQL = `
+WITH runs AS (
+    UPDATE agent_runs SET finished_at = clock_timestamp(), outcome = 'released', error = $3
+    WHERE run_id = ANY($1::uuid[]) AND finished_at IS NULL
+    RETURNING 1
+), back AS (
+    UPDATE agent_outbox SET status = 'pending', run_id = NULL, lease_expires_at = NULL,
+        attempts = greatest(attempts - 1, 0)
+    WHERE conversation_id = ANY($2) AND run_id = ANY($1::uuid[]) AND status = 'processing'
 )
+SELECT count(*) FROM runs`
 
 // renewSQL extends the lease of every row of a run, or of none: it locks the run's claimed
 // rows and updates them only when it found all of them still the run's. A recovery that took

@@ -17,6 +17,9 @@ type claimReq struct {
 
 // claim is what one claim returned.
 type claim struct {
+	// runID is the run the claim is for: the request's, or a new one when claimMany claimed the
+	// conversation again after a shared claim failed (the turn runs under this one).
+	runID    string
 	locked   bool // this worker held the conversation's lock for the claim
 	busy     bool // a run of another worker holds the conversation
 	ids      []int64
@@ -37,7 +40,8 @@ type claim struct {
 
 // claimMany claims several conversations, each for its own run, in one round trip: for each,
 // an ordered, capped prefix of its pending rows (see claimSQL), unless another run holds the
-// conversation. The returned ids define the turn. The conversations must be distinct.
+// conversation. The returned ids define the turn, run under the returned run id. The
+// conversations must be distinct.
 //
 // The statements go in one pipelined batch, which Postgres runs as one implicit transaction:
 // the locks are held until the claim commits, and the claim statement still gets a snapshot of
@@ -55,36 +59,64 @@ func (s *store) claimMany(ctx context.Context, reqs []claimReq) ([]claim, error)
 	if ctx.Err() != nil {
 		return nil, fmt.Errorf("claim %d conversations: %w", len(reqs), err)
 	}
-	// A claim has no effect outside its transaction, so claiming apart is always safe. A
-	// conversation whose own claim fails comes back unlocked: its events wait and retry.
+	// A claim has no effect outside its transaction, so claiming apart is always safe. Each
+	// conversation is claimed under a new run id: the shared claim may have committed, and a
+	// run whose claim was handed back keeps its ended record (unclaimSQL), so its id cannot
+	// claim again. A conversation whose own claim fails comes back unlocked: its events wait
+	// and retry.
 	out = make([]claim, len(reqs))
 	for i := range reqs {
-		one, err := s.claimAll(ctx, reqs[i:i+1])
+		one := []claimReq{{conversationID: reqs[i].conversationID, runID: newRunID()}}
+		got, err := s.claimAll(ctx, one)
 		if err != nil {
-			s.unclaim(ctx, reqs[i:i+1])
+			s.unclaim(ctx, one)
+			out[i].runID = one[0].runID
 			continue
 		}
-		out[i] = one[0]
+		out[i] = got[0]
 	}
 	return out, nil
 }
 
+// lostClaimReason is the error recorded on the run of a claim that was handed back.
+const lostClaimReason = "handed back: the claim's answer was lost before any handler saw it"
+
 // unclaim undoes whatever a claim whose answer was lost (the connection failed, or the
 // deadline passed, after it committed) did for reqs' runs: their rows go back to pending with
-// the attempt refunded, and their run records go (no handler ever saw them), so the run ids
-// can be claimed with again. Best effort, on a context of its own since the claim's may have
-// ended: rows it cannot reach are recovered when their lease ends.
+// the attempt refunded, and their run records end as released (no handler ever saw them). It
+// runs on a context of its own, since the claim's may have ended, and tries again after
+// transient failures for up to 5 seconds (it is idempotent). A hand back that fails is logged
+// and counted (lost_claims_total{result="failed"}): the rows, if the claim committed, wait until
+// their lease ends and recovery takes them.
 func (s *store) unclaim(ctx context.Context, reqs []claimReq) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	runs := make([]string, len(reqs))
+	convs := make([]string, len(reqs))
 	for i, r := range reqs {
-		runs[i] = r.runID
+		runs[i], convs[i] = r.runID, r.conversationID
 	}
-	batch := &pgx.Batch{}
-	batch.Queue(unclaimRowsSQL, runs)
-	batch.Queue(unclaimRunsSQL, runs)
-	_ = s.pool.SendBatch(ctx, batch).Close()
+	var released int64
+	err := retryUncertain(ctx, func() error {
+		return s.pool.QueryRow(ctx, unclaimSQL, runs, convs, lostClaimReason).Scan(&released)
+	}, func() (bool, error) { return false, nil }) // idempotent: after an unknown outcome, run it again
+	switch {
+	case err != nil:
+		s.countLostClaims("failed", len(reqs))
+		if s.log != nil {
+			s.log.Error("hand back a claim whose answer was lost: its rows, if it committed, wait for their lease to end",
+				"run_ids", runs, "conversation_ids", convs, "error", err)
+		}
+	case released > 0:
+		s.countLostClaims("handed_back", int(released))
+	}
+}
+
+// countLostClaims counts n runs of lost claims by result.
+func (s *store) countLostClaims(result string, n int) {
+	if s.lostClaims != nil {
+		s.lostClaims.WithLabelValues(result).Add(float64(n))
+	}
 }
 
 // claimAll runs the claim of reqs as one transaction.
@@ -141,6 +173,7 @@ func (s *store) claimAll(ctx context.Context, reqs []claimReq) ([]claim, error) 
 	out := make([]claim, len(reqs))
 	for i, r := range reqs {
 		out[i] = byConv[r.conversationID]
+		out[i].runID = r.runID
 	}
 	return out, nil
 }

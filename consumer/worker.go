@@ -59,7 +59,8 @@ func New(cfg Config) (*Worker, error) {
 		tracer: newTracer(cfg.TracerProvider),
 	}
 	w.store = &store{pool: cfg.Pool, lease: cfg.Lease, maxAttempts: cfg.MaxAttempts, backoff: cfg.backoff, worker: cfg.Name,
-		maxRows: cfg.MaxTurnMessages, maxBytes: cfg.MaxTurnBytes, failureMessage: cfg.FailureMessage}
+		maxRows: cfg.MaxTurnMessages, maxBytes: cfg.MaxTurnBytes, failureMessage: cfg.FailureMessage,
+		log: cfg.Logger, lostClaims: w.m.lostClaims}
 	w.src = newSource(w)
 	return w, nil
 }
