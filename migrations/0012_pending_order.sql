@@ -1,0 +1,25 @@
+-- Indexes that let a poll for pending work cost its page, not the backlog (the consumer's
+-- pendingConversationsSQL and oldestPendingSQL; before, each poll grouped every pending row).
+--
+-- agent_outbox_pending_order: pending rows in id order. A poll reads the oldest pending rows
+-- (a window a few times its page) and takes the conversations they start: a conversation's first
+-- row in id order is its oldest pending row, so the conversations come oldest first.
+-- agent_outbox_pending_head: each conversation's pending rows in id order. When the window cannot
+-- fill the page (the oldest rows belong to few conversations, or to busy ones), the poll visits
+-- each conversation with pending rows once, at its first row (a skip scan): its cost follows the
+-- conversations, not their rows. (agent_outbox_pending, by created_at, cannot give a
+-- conversation's first row in id order, which is the order claims take rows in.)
+--
+-- Both hold pending rows only: claiming a row (an update to processing) adds no entry to them.
+--
+-- Each index is built in this version's transaction (the migration runner applies a version in
+-- one transaction, where CREATE INDEX CONCURRENTLY cannot run) under a SHARE lock on agent_outbox:
+-- while it is built, producers' inserts and workers' claims, renewals and commits wait; reads go
+-- on. Building reads the whole table once. On a large outbox, build them beforehand with the
+-- same definitions (in Baton's schema), without blocking writes, and this version then skips
+-- them; a concurrent build that failed leaves an invalid index of that name: drop it and build
+-- again before migrating.
+--   CREATE INDEX CONCURRENTLY IF NOT EXISTS agent_outbox_pending_order ON agent_outbox (id) WHERE status = 'pending';
+--   CREATE INDEX CONCURRENTLY IF NOT EXISTS agent_outbox_pending_head ON agent_outbox (conversation_id, id) WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS agent_outbox_pending_order ON agent_outbox (id) WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS agent_outbox_pending_head ON agent_outbox (conversation_id, id) WHERE status = 'pending';
