@@ -268,6 +268,11 @@ func wantStreams(cfg *Config) []jetstream.StreamConfig {
 			Replicas:   s.Replicas,
 			// Stays false on a server that does not know it; checked in ensureStreams.
 			AllowBatchPublish: !cfg.ClassicPublish,
+			// For the fence's atomic batches (atomic.go; 2.12 and later, else it stays false).
+			// Set at creation: an update right after it raced the workers' consumer creation
+			// inside nats-server 2.15.2 (fileStore.UpdateConfig against ConsumerStore, seen
+			// by the race detector with an embedded server).
+			AllowAtomicPublish: true,
 		}
 	}
 	// Turn events leave the stream when the workers acknowledge them, never by age, and a
