@@ -166,12 +166,19 @@ func (b *bundle) waitStreamCount(t *testing.T, stream string, n int, within time
 		// A new session writes its fence, then deletes the previous one: the fences are counted
 		// before and after the messages, and the higher count is taken, so that a fence
 		// written in between never passes for an event.
-		before := fenceMsgs(ctx, t, s)
+		before, err := streamFences(ctx, s)
+		if err != nil {
+			return false
+		}
 		info, err := s.Info(ctx)
 		if err != nil {
 			return false
 		}
-		fences := max(before, fenceMsgs(ctx, t, s))
+		after, err := streamFences(ctx, s)
+		if err != nil {
+			return false
+		}
+		fences := max(before, after)
 		held = info.State.Msgs - min(fences, info.State.Msgs)
 		return held >= uint64(n)
 	}, within, 20*time.Millisecond, "stream %s never reached %d messages", stream, n)
@@ -225,13 +232,23 @@ func (b *bundle) readStream(t *testing.T, stream string) []got {
 // prefixes of the relay tests are one token.
 func fenceMsgs(ctx context.Context, t *testing.T, s jetstream.Stream) uint64 {
 	t.Helper()
-	info, err := s.Info(ctx, jetstream.WithSubjectFilter("*."+wire.KindFence+".>"))
+	n, err := streamFences(ctx, s)
 	require.NoError(t, err)
+	return n
+}
+
+// streamFences is fenceMsgs for a condition polled until it holds: a replicated stream's API
+// may not answer for a moment ("no responders" while its leader moves), which is "not yet".
+func streamFences(ctx context.Context, s jetstream.Stream) (uint64, error) {
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter("*."+wire.KindFence+".>"))
+	if err != nil {
+		return 0, err
+	}
 	var n uint64
 	for _, c := range info.State.Subjects {
 		n += c
 	}
-	return n
+	return n, nil
 }
 
 // assertExactlyOnceInOrder checks that the turns stream holds each outbox id once, and that

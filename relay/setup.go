@@ -179,10 +179,9 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg *Config) (ba
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
 			st, err = js.CreateStream(ctx, want)
 			if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-				// Created by a concurrent relay; checked on this relay's next start, and
-				// published to event by event until then.
-				batched = false
-				continue
+				// Created by a concurrent relay (shard relays starting at once): checked as
+				// found, so that this session fences it too.
+				st, err = js.Stream(ctx, want.Name)
 			}
 			if err != nil {
 				return false, fenced, fmt.Errorf("create stream %s: %w", want.Name, err)
