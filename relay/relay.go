@@ -241,14 +241,21 @@ func (r *Relay) session(ctx context.Context) error {
 	// Which relay streams is the slot's to decide (standby.go): this one stands by while
 	// another streams from it or runs its first start, and tries again every StandbyPoll.
 	for standby := false; ; standby = true {
-		// Raised by the sender of the session's first pipeline, before it publishes anything:
-		// from then on, what an older session of this slot still sends to a fenced stream is
-		// refused. Read before each attempt at the slot (see sessionFence.read).
-		r.fence = r.newSessionFence()
-		if r.fence != nil {
-			r.fence.read(cfg.SetupTimeout)
+		// A standby polls with one query on its session: while a walsender streams from the
+		// slot, no fence read and no replication connection (a walsender forked and ended
+		// every poll) is spent on an attempt that would find it busy.
+		err := r.slotStreaming(ctx, conn)
+		if err == nil {
+			// Raised by the sender of the session's first pipeline, before it publishes
+			// anything: from then on, what an older session of this slot still sends to a
+			// fenced stream is refused. Read before each attempt at the slot (see
+			// sessionFence.read).
+			r.fence = r.newSessionFence()
+			if r.fence != nil {
+				r.fence.read(cfg.SetupTimeout)
+			}
+			err = r.stream(ctx, conn, replCfg)
 		}
-		err := r.stream(ctx, conn, replCfg)
 		if !errors.Is(err, errSlotBusy) {
 			return err
 		}
@@ -260,6 +267,19 @@ func (r *Relay) session(ctx context.Context) error {
 			return err
 		}
 	}
+}
+
+// slotStreaming returns errSlotBusy while a walsender streams from the slot (readSlot's view of
+// it), and nil when an attempt at the slot may succeed.
+func (r *Relay) slotStreaming(ctx context.Context, conn *pgx.Conn) error {
+	var slot slotInfo
+	if err := r.bounded(ctx, func(ctx context.Context) (err error) {
+		slot, err = readSlot(ctx, conn, &r.cfg)
+		return err
+	}); err != nil {
+		return err
+	}
+	return slot.busy()
 }
 
 // sessionParams are sent as startup parameters on every connection the relay opens. Settings a
@@ -369,8 +389,8 @@ func (r *Relay) stream(ctx context.Context, conn *pgx.Conn, replCfg *pgconn.Conf
 	if err != nil {
 		return err
 	}
-	if slot.active {
-		return fmt.Errorf("%w: a walsender streams from it", errSlotBusy)
+	if err := slot.busy(); err != nil {
+		return err
 	}
 	if action != slotStream {
 		claim, fctx, err := r.claimFirstStart(ctx, conn)

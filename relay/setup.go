@@ -374,6 +374,14 @@ type slotInfo struct {
 	backfillDone bool // and that relay finished its first-start backfill
 }
 
+// busy returns errSlotBusy when a walsender streams from the slot.
+func (s slotInfo) busy() error {
+	if s.active {
+		return fmt.Errorf("%w: a walsender streams from it", errSlotBusy)
+	}
+	return nil
+}
+
 func readSlot(ctx context.Context, conn *pgx.Conn, cfg *Config) (slotInfo, error) {
 	var s slotInfo
 	err := conn.QueryRow(ctx, `SELECT coalesce(plugin, ''), coalesce(database, ''), database IS NOT DISTINCT FROM current_database(),
