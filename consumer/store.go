@@ -441,7 +441,7 @@ ORDER BY i.ord, h.created_at, h.id`
 // of theirs) are left out. Rows younger than $1 do not count: a conversation's oldest pending row
 // is its first one old enough.
 //
-// It costs the page, not the backlog (issue 28: grouping every pending row cost about 150 ms at
+// It costs the page, not the backlog (grouping every pending row cost about 150 ms at
 // 100,000 rows, and the polling source polls again 10 ms later while pages are full):
 //   - win: the oldest pending rows, 4 × $2 of them, in id order (agent_outbox_pending_order).
 //     The first row of each conversation in it is that conversation's oldest pending row, and

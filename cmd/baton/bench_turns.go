@@ -34,7 +34,7 @@ Phases, per source (jetstream: through the relay; polling: workers claim from Po
               reported as a ratio to the zero-tool rate of the same round.
   latency     each rate of --rates for --latency-duration, to the first worker count;
               p50/p99 of producer commit (Send returned) → reply commit (the run's finished_at).
-The figures are set against issue 12's targets (>= 2,800 turns/s with 1 worker, 4 workers >=
+The figures are set against the turns targets (>= 2,800 turns/s with 1 worker, 4 workers >=
 0.95 x 1 worker, p50 <= debounce + 3ms at 200/s, tools >= 0.7 x zero-tool), which decide nothing.
 
 Without BATON_DATABASE_URL it starts a throwaway PostgreSQL cluster; without BATON_NATS_URL an

@@ -13,7 +13,7 @@ import (
 	"github.com/batonhq/baton/internal/config"
 )
 
-// Targets of issue 12 the report sets the figures against. They are printed next to the
+// The turns targets the report sets the figures against. They are printed next to the
 // figures, never used to decide anything.
 const (
 	// TurnsTargetPerSecond is the turns/s one worker should reach on the JetStream source.
@@ -39,7 +39,7 @@ type TurnsReport struct {
 	Latency []TurnsLatency `json:"latency"`
 	// Ratios compare figures of the same round; each is the median of the per-round ratios.
 	Ratios []TurnsRatio `json:"ratios"`
-	// Targets set the figures against issue 12's targets (JetStream source).
+	// Targets set the figures against the turns targets (JetStream source).
 	Targets []TurnsTarget `json:"targets"`
 	// WallSeconds is how long the whole bench took, servers included.
 	WallSeconds float64 `json:"wall_seconds"`
@@ -133,7 +133,7 @@ type TurnsRatio struct {
 	Value TurnsFigure `json:"value"`
 }
 
-// TurnsTarget is one of issue 12's targets and the figure it applies to.
+// TurnsTarget is one of the turns targets and the figure it applies to.
 type TurnsTarget struct {
 	Name  string   `json:"name"`
 	Want  string   `json:"want"`  // the target, as text: ">= 2800 turns/s"
@@ -435,7 +435,7 @@ func (r *TurnsReport) WriteTable(w io.Writer) error {
 			p("  %s\t%s\n", x.Name, num(x.Value, 2))
 		}
 	}
-	p("\ntargets (issue 12; jetstream source)\n")
+	p("\ntargets (jetstream source)\n")
 	p("  target\twant\tmeasured\tresult\n")
 	for _, t := range r.Targets {
 		switch {
