@@ -171,7 +171,7 @@ func (w *Worker) record(ctx context.Context, r recordReq) (int64, error) {
 // same moment. Outside Run (a turn driven by hand) it is read alone.
 func (w *Worker) history(ctx context.Context, r historyReq) ([]Message, error) {
 	if w.histories == nil {
-		return w.store.history(ctx, r.conversationID, r.first, r.limit)
+		return w.store.history(ctx, r)
 	}
 	res, err := w.histories.do(ctx, r)
 	if err != nil {

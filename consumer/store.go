@@ -122,6 +122,10 @@ FROM (SELECT id FROM conversations WHERE id = ANY($1) FOR NO KEY UPDATE SKIP LOC
 //     the next turn. A first row that alone exceeds $6 is claimed without its content
 //     (oversize), and the worker ends it as a visible failure.
 //
+// Each run records its claim order: one more than the conversation's largest (migration 13).
+// Our lock on the conversation makes the claims of a conversation one after another, and our
+// snapshot, taken after it, sees every earlier one.
+//
 // For each requested conversation the statement returns whether we hold its lock, whether it
 // is busy, the rows claimed for its run with their messages, and, when its oldest pending row
 // backs off, until when. Every table is reached through "= ANY(array)" on an indexed key, so
@@ -156,8 +160,10 @@ WITH input AS (
         SELECT id FROM queue WHERE NOT blocked AND (n = 1 OR bytes <= $6))
     RETURNING o.id, o.conversation_id, o.attempts, o.message_id, conv.run_id, o.trace_context
 ), run AS (
-    INSERT INTO agent_runs (run_id, conversation_id, outbox_ids, worker)
-    SELECT run_id, conversation_id, array_agg(id ORDER BY id), $4 FROM claimed
+    INSERT INTO agent_runs (run_id, conversation_id, outbox_ids, worker, claim_order)
+    SELECT run_id, conversation_id, array_agg(id ORDER BY id), $4,
+           coalesce((SELECT max(r.claim_order) FROM agent_runs r WHERE r.conversation_id = claimed.conversation_id), 0) + 1
+    FROM claimed
     GROUP BY run_id, conversation_id
 )
 SELECT i.conversation_id, conv.id IS NOT NULL, i.conversation_id IN (SELECT conversation_id FROM busy),
@@ -415,25 +421,70 @@ WHERE op.id = ANY($1) AND op.id = e.id`
 
 // Reads: history, the sources' look for pending work, the states of held events' rows.
 
-// historySQL returns up to $4 messages of conversation $1 sent before the message ($3, sent at
-// $2), oldest first.
-const historySQL = `SELECT id, role, content, created_at FROM (
-		SELECT id, role, content, created_at FROM messages
-		WHERE conversation_id = $1 AND (created_at, id) < ($2, $3)
-		ORDER BY created_at DESC, id DESC LIMIT $4) h
-	ORDER BY created_at, id`
-
-// historiesSQL is historySQL for several turns at once ($1-$4, one element per turn): each
-// turn's messages come in its order ($5), oldest first. Each conversation is read by its own
-// index probe (LATERAL), whatever the plan.
+// historiesSQL reads the histories of turns ($1: conversation, $2: run, $3: at most how many
+// messages, $4: the turn's place in the result; one element per turn), each oldest first:
+// the conversation's user messages whose turns ended (done or error) before this turn's claim,
+// each followed by its reply or visible error, in the order their turns were claimed (the runs'
+// claim_order, migration 13); within a turn, in the order it claimed them (outbox id). Never a
+// message pending at the claim, nor one this turn claimed; the newest $3 messages of all that.
+//
+//   - claimed: the turns before this one, walking back from its own claim over the index of
+//     claim orders, at most $3 of those that ended rows (each has at least one message to
+//     show), and their rows by primary key. A row counts for the run that ended it: a run's
+//     rows that went back to pending belong to whichever run claimed them next.
+//   - earlier: only when claimed has fewer than $3 messages, the rest from before claim order
+//     was recorded (runs claimed before migration 13 or by an earlier worker version during a
+//     rolling upgrade, rows that name no run, adopted histories), first, by created_at then id:
+//     every message of the conversation except user messages whose row is not terminal or was
+//     ended by a claim-ordered run, and replies of such runs (found by agent_outbox_reply).
+//
+// A turn whose run is not found (a run id of no claim) gets the earlier part only.
 const historiesSQL = `
-SELECT i.ord, h.id, h.role, h.content, h.created_at
-FROM unnest($1::text[], $2::timestamptz[], $3::text[], $4::int[], $5::int[]) AS i(conversation_id, created_at, id, lim, ord)
-CROSS JOIN LATERAL (
-    SELECT m.id, m.role, m.content, m.created_at FROM messages m
-    WHERE m.conversation_id = i.conversation_id AND (m.created_at, m.id) < (i.created_at, i.id)
-    ORDER BY m.created_at DESC, m.id DESC LIMIT i.lim) h
-ORDER BY i.ord, h.created_at, h.id`
+WITH turn AS (
+    SELECT i.conversation_id, i.lim, i.ord, r.claim_order
+    FROM unnest($1::text[], $2::uuid[], $3::int[], $4::int[]) AS i(conversation_id, run_id, lim, ord)
+    LEFT JOIN agent_runs r ON r.run_id = i.run_id AND r.conversation_id = i.conversation_id
+), claimed AS MATERIALIZED (
+    SELECT t.ord, h.k1, h.k2, h.id, h.role, h.content, h.created_at
+    FROM turn t CROSS JOIN LATERAL (
+        SELECT x.*, row_number() OVER (ORDER BY x.k1 DESC, x.k2 DESC, x.created_at DESC, x.id DESC) AS back
+        FROM (SELECT r.run_id, r.claim_order, r.outbox_ids FROM agent_runs r
+              WHERE r.conversation_id = t.conversation_id AND r.claim_order < t.claim_order
+                AND EXISTS (SELECT FROM agent_outbox o WHERE o.id = ANY(r.outbox_ids)
+                              AND o.run_id = r.run_id AND o.status IN ('done', 'error'))
+              ORDER BY r.claim_order DESC LIMIT t.lim) r
+        CROSS JOIN LATERAL (
+            SELECT r.claim_order AS k1, o.id AS k2, m.id, m.role, m.content, m.created_at
+            FROM agent_outbox o JOIN messages m ON m.id = o.message_id
+            WHERE o.id = ANY(r.outbox_ids) AND o.run_id = r.run_id AND o.status IN ('done', 'error')
+            UNION ALL
+            SELECT r.claim_order, 9223372036854775807, m.id, m.role, m.content, m.created_at
+            FROM messages m
+            WHERE m.id IN (SELECT o.reply_id FROM agent_outbox o WHERE o.id = ANY(r.outbox_ids)
+                             AND o.run_id = r.run_id AND o.status IN ('done', 'error'))) x
+    ) h
+    WHERE h.back <= t.lim
+), earlier AS (
+    SELECT t.ord, h.id, h.role, h.content, h.created_at
+    FROM turn t
+    CROSS JOIN LATERAL (SELECT count(*) AS n FROM claimed c WHERE c.ord = t.ord) c
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.role, m.content, m.created_at FROM messages m
+        WHERE m.conversation_id = t.conversation_id AND c.n < t.lim
+          AND CASE WHEN m.role = 'user' THEN NOT EXISTS (
+                       SELECT FROM agent_outbox o WHERE o.message_id = m.id
+                         AND (o.status NOT IN ('done', 'error') OR EXISTS (
+                             SELECT FROM agent_runs r WHERE r.run_id = o.run_id AND r.claim_order IS NOT NULL)))
+                   ELSE NOT EXISTS (
+                       SELECT FROM agent_outbox o JOIN agent_runs r ON r.run_id = o.run_id
+                       WHERE o.reply_id = m.id AND r.claim_order IS NOT NULL) END
+        ORDER BY m.created_at DESC, m.id DESC LIMIT greatest(t.lim - c.n, 0)) h
+)
+SELECT ord, id, role, content, created_at FROM (
+    SELECT ord, 1 AS part, k1, k2, created_at, id, role, content FROM claimed
+    UNION ALL
+    SELECT ord, 0, 0, 0, created_at, id, role, content FROM earlier) h
+ORDER BY ord, part, k1, k2, created_at, id`
 
 // pendingConversationsSQL lists up to $2 conversations whose oldest pending row is claimable
 // (not backing off) and at least $1 milliseconds old, with when that row was written, oldest

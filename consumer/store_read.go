@@ -250,23 +250,19 @@ func unstored(end opEnd, err error) opEnd {
 	return end
 }
 
-// history returns up to limit messages of conversation sent before first, oldest first.
-func (s *store) history(ctx context.Context, conversationID string, first Message, limit int) ([]Message, error) {
-	rows, err := s.pool.Query(ctx, historySQL, conversationID, first.CreatedAt, first.ID, limit)
-	if err != nil {
-		return nil, fmt.Errorf("load history of %q: %w", conversationID, err)
+// history reads one turn's history (see historiesSQL).
+func (s *store) history(ctx context.Context, r historyReq) ([]Message, error) {
+	out := make([]histories, 1)
+	if err := s.historyAll(ctx, []historyReq{r}, out); err != nil {
+		return nil, fmt.Errorf("load history of %q: %w", r.conversationID, err)
 	}
-	msgs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[Message])
-	if err != nil {
-		return nil, fmt.Errorf("load history of %q: %w", conversationID, err)
-	}
-	return msgs, nil
+	return out[0].msgs, nil
 }
 
-// historyReq asks for up to limit messages of a conversation sent before first (see history).
+// historyReq asks for up to limit messages of the history of run's turn in conversationID.
 type historyReq struct {
 	conversationID string
-	first          Message
+	runID          string
 	limit          int
 }
 
@@ -285,7 +281,7 @@ func (s *store) historyMany(ctx context.Context, reqs []historyReq) ([]histories
 	}
 	for i, r := range reqs {
 		out[i] = histories{}
-		out[i].msgs, out[i].err = s.history(ctx, r.conversationID, r.first, r.limit)
+		out[i].msgs, out[i].err = s.history(ctx, r)
 	}
 	return out, nil
 }
@@ -293,18 +289,21 @@ func (s *store) historyMany(ctx context.Context, reqs []historyReq) ([]histories
 // historyAll runs historiesSQL for reqs and fills out.
 func (s *store) historyAll(ctx context.Context, reqs []historyReq, out []histories) error {
 	n := len(reqs)
-	convs, times, ids, limits, order := make([]string, n), make([]time.Time, n), make([]string, n), make([]int32, n), make([]int32, n)
+	convs, runs, limits, order := make([]string, n), make([]string, n), make([]int32, n), make([]int32, n)
 	for i, r := range reqs {
 		if r.limit < 0 || r.limit > math.MaxInt32 {
 			return fmt.Errorf("history limit %d", r.limit)
 		}
-		convs[i], times[i], ids[i], limits[i], order[i] = r.conversationID, r.first.CreatedAt, r.first.ID, int32(r.limit), int32(i)
+		convs[i], runs[i], limits[i], order[i] = r.conversationID, r.runID, int32(r.limit), int32(i)
 	}
-	rows, err := s.pool.Query(ctx, historiesSQL, convs, times, ids, limits, order)
+	rows, err := s.pool.Query(ctx, historiesSQL, convs, runs, limits, order)
 	if err != nil {
 		return fmt.Errorf("load %d histories: %w", n, err)
 	}
 	defer rows.Close()
+	for i := range out {
+		out[i].msgs = []Message{}
+	}
 	for rows.Next() {
 		var i int32
 		var m Message

@@ -562,40 +562,135 @@ func TestRecordManyOperations(t *testing.T) {
 		testsvc.Query[string](t, db, `SELECT tool FROM operations WHERE conversation_id = 'a' ORDER BY id`))
 }
 
-// Turns read their histories in one statement, each its own conversation's messages before
-// its first, oldest first; a read Postgres refuses fails alone.
+// Turns read their histories in one statement, each its own turn's; a read Postgres refuses
+// fails alone. Turns claimed without a claim order (before migration 13, or by a worker of an
+// earlier version during a rolling upgrade) and messages that were never turns (an adopted
+// history) come first, by created_at; then the claim-ordered turns, each message followed by
+// its reply. Pending messages and the turn's own are never history.
 func TestHistoryMany(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
 	_, err := db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('a'), ('b')`)
 	require.NoError(t, err)
-	send(t, db, "a", "a1", "a2", "a3")
-	send(t, db, "b", "b1", "b2")
-	first := func(id string) Message {
-		var m Message
-		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT id, role, content, created_at FROM messages WHERE id = $1`, id).
-			Scan(&m.ID, &m.Role, &m.Content, &m.CreatedAt))
-		return m
+	// turn claims conv's pending rows and answers them ("re: " and the first message's id);
+	// legacy turns lose their claim order, as runs of an earlier version have none.
+	runs := 0
+	turn := func(conv string, legacy bool) string {
+		t.Helper()
+		runs++
+		run := fmt.Sprintf("00000000-0000-4000-8000-%012d", runs)
+		c := claimOne(t, s, conv, run)
+		require.NotEmpty(t, c.ids)
+		if legacy {
+			_, err := db.Pool.Exec(ctx, `UPDATE agent_runs SET claim_order = NULL WHERE run_id = $1`, run)
+			require.NoError(t, err)
+		}
+		require.NoError(t, s.finishOne(ctx, finishReq{conversationID: conv, runID: run, ids: c.ids,
+			outcome: outcome{role: "assistant", content: "re: " + c.messages[0].ID}}))
+		return run
 	}
-	ids := func(msgs []Message) []string {
+	// An adopted greeting: no outbox row names it.
+	_, err = db.Pool.Exec(ctx, `INSERT INTO messages (id, conversation_id, role, content, created_at)
+		VALUES ('a0', 'a', 'assistant', 'hello', now() - interval '1 hour')`)
+	require.NoError(t, err)
+	send(t, db, "a", "a1", "a2")
+	turn("a", true)
+	send(t, db, "a", "a3")
+	turn("a", false)
+	send(t, db, "a", "a4", "a5")
+	runA := "00000000-0000-4000-8000-000000000100"
+	claimOne(t, s, "a", runA)
+	send(t, db, "a", "a6") // pending at the claim
+
+	send(t, db, "b", "b1")
+	turn("b", false)
+	send(t, db, "b", "b2")
+	turn("b", true) // a worker of an earlier version, after a new one
+	send(t, db, "b", "b3")
+	runB := "00000000-0000-4000-8000-000000000200"
+	claimOne(t, s, "b", runB)
+
+	contents := func(msgs []Message) []string {
 		out := []string{}
 		for _, m := range msgs {
-			out = append(out, m.ID)
+			out = append(out, m.Role+":"+m.Content)
 		}
 		return out
 	}
-	reqs := []historyReq{{"a", first("a3"), 100}, {"b", first("b2"), 100}, {"a", first("a3"), 1}, {"b", first("b1"), 100}}
+	a := []string{"assistant:hello", "user:hi a1", "user:hi a2", "assistant:re: a1", "user:hi a3", "assistant:re: a3"}
+	b := []string{"user:hi b2", "assistant:re: b2", "user:hi b1", "assistant:re: b1"}
+	reqs := []historyReq{{"a", runA, 100}, {"b", runB, 100}, {"a", runA, 3}, {"a", runA, 1}, {"a", runA, 0},
+		{"b", "00000000-0000-4000-8000-000000000999", 100}}
 	got, err := s.historyMany(ctx, reqs)
 	require.NoError(t, err)
-	want := [][]string{{"a1", "a2"}, {"b1"}, {"a2"}, {}}
+	want := [][]string{a, b, a[3:], a[5:], {}, {"user:hi b2", "assistant:re: b2"}}
 	for i := range reqs {
 		require.NoError(t, got[i].err)
-		require.Equal(t, want[i], ids(got[i].msgs), "request %d", i)
+		require.Equal(t, want[i], contents(got[i].msgs), "request %d", i)
 	}
+	one, err := s.history(ctx, historyReq{"a", runA, 100})
+	require.NoError(t, err)
+	require.Equal(t, a, contents(one))
 
-	got, err = s.historyMany(ctx, []historyReq{{"a", first("a3"), 100}, {"b", first("b2"), -1}})
+	got, err = s.historyMany(ctx, []historyReq{{"a", runA, 100}, {"b", runB, -1}})
 	require.NoError(t, err)
 	require.NoError(t, got[0].err)
-	require.Equal(t, []string{"a1", "a2"}, ids(got[0].msgs))
+	require.Equal(t, a, contents(got[0].msgs))
 	require.Error(t, got[1].err)
+}
+
+// A history read costs its turn's messages, not the conversation's: it walks back from the
+// turn's claim over indexes, whatever the conversation's length, and reads no other
+// conversation. The part from before claim order was recorded is read only when the
+// claim-ordered turns do not fill the history.
+func TestHistoryReadsItsMessages(t *testing.T) {
+	ctx := context.Background()
+	db, s := storeFixture(t)
+	const turns = 3000
+	// Conversation c: turns claim-ordered turns of one message each, answered; conversation l
+	// the same without claim order (from before migration 13); others besides.
+	_, err := db.Pool.Exec(ctx, `
+		INSERT INTO conversations (id) VALUES ('l');
+		INSERT INTO conversations (id) SELECT 'o' || g FROM generate_series(1, 1000) g;
+		INSERT INTO messages (id, conversation_id, role, content, created_at)
+		SELECT conv || ':' || kind || g, conv, CASE kind WHEN 'm' THEN 'user' ELSE 'assistant' END, 'x',
+		       now() - interval '1 hour' + g * interval '1 ms' + CASE kind WHEN 'm' THEN interval '0' ELSE interval '100 us' END
+		FROM generate_series(1, $1) g, unnest(ARRAY['c', 'l']) conv, unnest(ARRAY['m', 'r']) kind;
+		INSERT INTO messages (id, conversation_id, role, content)
+		SELECT 'o' || g, 'o' || g, 'user', 'x' FROM generate_series(1, 1000) g;
+		INSERT INTO agent_runs (run_id, conversation_id, outbox_ids, worker, claim_order)
+		SELECT md5(conv || g)::uuid, conv, '{}', 'w', CASE conv WHEN 'c' THEN g END
+		FROM generate_series(1, $1) g, unnest(ARRAY['c', 'l']) conv;
+		INSERT INTO agent_outbox (conversation_id, message_id, status, run_id, reply_id)
+		SELECT conv, conv || ':m' || g, 'done', md5(conv || g)::uuid, conv || ':r' || g
+		FROM generate_series(1, $1) g, unnest(ARRAY['c', 'l']) conv;
+		UPDATE agent_runs r SET outbox_ids = ARRAY[o.id] FROM agent_outbox o WHERE o.run_id = r.run_id;
+		INSERT INTO agent_outbox (conversation_id, message_id, status) SELECT 'o' || g, 'o' || g, 'done' FROM generate_series(1, 1000) g;
+		ANALYZE`, pgx.QueryExecModeSimpleProtocol, turns)
+	require.NoError(t, err)
+	send(t, db, "c", "now")
+	send(t, db, "l", "now-l")
+	runC, runL := "00000000-0000-4000-8000-00000000000c", "00000000-0000-4000-8000-00000000000d"
+	claimOne(t, s, "c", runC)
+	claimOne(t, s, "l", runL)
+
+	readRows := regexp.MustCompile(`(?:actual rows=|Rows Removed by Filter: )(\d+)`)
+	for _, tc := range []struct{ conv, run string }{{"c", runC}, {"l", runL}} {
+		tx, err := db.Pool.Begin(ctx)
+		require.NoError(t, err)
+		lines, err := explainPrepared(ctx, tx, `text[], uuid[], int[], int[]`, historiesSQL,
+			fmt.Sprintf(`'{%s}', '{%s}', '{10}', '{0}'`, tc.conv, tc.run))
+		require.NoError(t, tx.Rollback(ctx))
+		require.NoError(t, err)
+		plan := strings.Join(lines, "\n")
+		require.NotContains(t, plan, "Seq Scan", plan)
+		for _, m := range readRows.FindAllStringSubmatch(plan, -1) {
+			n, _ := strconv.Atoi(m[1])
+			require.LessOrEqual(t, n, 40, "history of %s reads more than its messages:\n%s", tc.conv, plan)
+		}
+		h, err := s.history(ctx, historyReq{tc.conv, tc.run, 10})
+		require.NoError(t, err)
+		require.Len(t, h, 10)
+		require.Equal(t, fmt.Sprintf("%s:r%d", tc.conv, turns), h[9].ID)
+	}
 }

@@ -74,13 +74,22 @@ func (t *Turn) keepEnds(ends ...opEnd) {
 	t.ends = append(t.ends, ends...)
 }
 
-// History returns up to limit messages of the conversation sent before this turn's first
-// message, oldest first: the context a model needs.
+// History returns the context a model needs: the conversation's user messages whose turns
+// ended (answered, or failed visibly) before this turn was claimed, each followed by its reply
+// or error message, in the order their turns were claimed (within a turn, in the order of its
+// Messages) — the newest limit messages of those, oldest first. It never holds a message this
+// turn claimed, nor one that was pending when it was claimed (a later turn answers that),
+// whatever the messages' CreatedAt: that is when the sender's transaction began, which may be
+// before messages sent, claimed and answered while it was open.
+//
+// Messages from before Baton recorded claim order (turns claimed before migration 13 or, during
+// a rolling upgrade, by workers of an earlier version; messages that were never turns, such as
+// an adopted history) come first, by CreatedAt, then ID.
 func (t *Turn) History(ctx context.Context, limit int) ([]Message, error) {
 	if len(t.Messages) == 0 {
 		return nil, nil
 	}
-	return t.w.history(ctx, historyReq{conversationID: t.ConversationID, first: t.Messages[0], limit: limit})
+	return t.w.history(ctx, historyReq{conversationID: t.ConversationID, runID: t.RunID, limit: limit})
 }
 
 // ErrToolFailed wraps the error of a tool the turn called.

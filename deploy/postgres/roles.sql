@@ -257,7 +257,7 @@ BEGIN
     GRANT SELECT, INSERT (run_id, conversation_id, tool, effect, input),
           UPDATE (message_id, status, output, error, finished_at)
         ON operations TO baton_worker;
-    GRANT SELECT, INSERT (run_id, conversation_id, outbox_ids, worker),
+    GRANT SELECT, INSERT (run_id, conversation_id, outbox_ids, worker, claim_order),
           UPDATE (finished_at, outcome, error)
         ON agent_runs TO baton_worker;
     GRANT EXECUTE ON FUNCTION baton_fence(boolean, text) TO baton_worker;
