@@ -67,7 +67,7 @@ func TestAdvTools2EndRunLockTimeoutThenRecoveryNeverReplaysAWrite(t *testing.T) 
 	db, _ := storeFixture(t)
 	var calls, charges atomic.Int32
 	atBlock, goOn := make(chan struct{}, 1), make(chan struct{})
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		Lease: time.Minute, RecoveryInterval: 50 * time.Millisecond, MaxAttempts: 3,
 		Handler: func(ctx context.Context, t *Turn) (Reply, error) {
 			calls.Add(1)

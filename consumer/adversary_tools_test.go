@@ -38,7 +38,7 @@ func TestAdvToolsRefusedOutputDoesNotCostTheReply(t *testing.T) {
 	db, _ := storeFixture(t)
 	var mu sync.Mutex
 	var toolErrs []error
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		Lease: time.Minute, RecoveryInterval: time.Minute,
 		Handler: func(ctx context.Context, t *Turn) (Reply, error) {
 			_, err := t.Tool(ctx, "fetch_page", Read, map[string]string{"url": "x"}, func(context.Context) (any, error) {
@@ -87,7 +87,7 @@ func TestAdvToolsRefusedOutputDoesNotFailLaterCalls(t *testing.T) {
 	var firstErr, secondErr error
 	secondRan := false
 	done := make(chan struct{})
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		Lease: time.Minute, RecoveryInterval: time.Minute, MaxAttempts: 1,
 		Handler: func(ctx context.Context, t *Turn) (Reply, error) {
 			_, e1 := t.Tool(ctx, "fetch_page", Read, nil, func(context.Context) (any, error) { return loneSurrogate, nil })
@@ -159,7 +159,7 @@ func TestAdvToolsFirstRecordHonoursLockTimeout(t *testing.T) {
 func TestAdvToolsUnencodableOutputStillRecordsTheEnd(t *testing.T) {
 	t.Parallel()
 	db, _ := storeFixture(t)
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		Lease: time.Minute, RecoveryInterval: time.Minute,
 		Handler: func(ctx context.Context, t *Turn) (Reply, error) {
 			_, err := t.Tool(ctx, "charge", Write, nil, func(context.Context) (any, error) {
@@ -193,7 +193,7 @@ func TestAdvToolsHeldRowDoesNotStallOtherTurnsTools(t *testing.T) {
 	hClaimed, hGo := make(chan struct{}), make(chan struct{})
 	bDone := make(chan error, 1)
 	var hCalled atomic.Bool // h's tool call returned: its record's wait is over
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		Lease: time.Minute, RecoveryInterval: time.Minute,
 		Handler: func(ctx context.Context, t *Turn) (Reply, error) {
 			if t.ConversationID == "h" {
@@ -237,7 +237,7 @@ func TestAdvToolsConcurrentCallsOfOneTurnAllEnd(t *testing.T) {
 	t.Parallel()
 	db, _ := storeFixture(t)
 	const calls = 40
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		Lease: time.Minute, RecoveryInterval: time.Minute,
 		Handler: func(ctx context.Context, t *Turn) (Reply, error) {
 			var wg sync.WaitGroup
@@ -366,7 +366,7 @@ func TestAdvToolsHeldOperationDoesNotStallRecovery(t *testing.T) {
 	holdOpen(t, db, `UPDATE operations SET tool = tool WHERE run_id = $1`, runH)
 	expire(t, db)
 
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		Lease: time.Minute, RecoveryInterval: 50 * time.Millisecond,
 		Handler: func(context.Context, *Turn) (Reply, error) { return Reply{Content: "ok"}, nil }})
 	require.NoError(t, err)

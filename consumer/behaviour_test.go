@@ -320,7 +320,7 @@ func TestLiveSwitchFromPollingToJetStream(t *testing.T) {
 				return
 			default:
 			}
-			if _, err := b.prod.Send(context.Background(), b.db.Pool, producerMessage(convs[i%len(convs)], i)); err != nil {
+			if _, err := b.prod.Send(context.Background(), b.app, producerMessage(convs[i%len(convs)], i)); err != nil {
 				t.Error(err)
 				return
 			}

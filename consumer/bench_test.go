@@ -43,7 +43,7 @@ func TestBenchmarkDebounce(t *testing.T) {
 				b.conversation(conv)
 				start := time.Now()
 				for i := range burst {
-					_, err := b.prod.Send(context.Background(), b.db.Pool, producer.Message{ConversationID: conv, ID: fmt.Sprintf("%s-%d", conv, i), Content: "hi"})
+					_, err := b.prod.Send(context.Background(), b.app, producer.Message{ConversationID: conv, ID: fmt.Sprintf("%s-%d", conv, i), Content: "hi"})
 					require.NoError(t, err)
 				}
 				took = append(took, time.Since(start))

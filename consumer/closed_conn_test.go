@@ -21,7 +21,7 @@ func TestRunEndsWhenItsNATSConnectionCloses(t *testing.T) {
 	nc, err := nats.Connect(b.nc.ConnectedUrl())
 	require.NoError(t, err)
 	t.Cleanup(nc.Close)
-	w, err := consumer.New(consumer.Config{Pool: b.db.Pool, NATS: nc, Handler: echo, Logger: testLogger(t)})
+	w, err := consumer.New(consumer.Config{Pool: b.workers, NATS: nc, Handler: echo, Logger: testLogger(t)})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)

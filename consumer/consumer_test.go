@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
@@ -46,11 +47,17 @@ const (
 
 var sources = []source{polling, jetStream}
 
+// bundle is a test's database, NATS and relay. Its processes and libraries log in as their
+// roles of deploy/postgres/roles.sql, as deployed: workers as the worker role (unless a test
+// gives a pool), the producer as the app role, the relay as the relay role; db.Pool is the
+// owner's, for setting up and observing.
 type bundle struct {
-	db   *testsvc.Database
-	nc   *nats.Conn // nil for polling
-	prod *producer.Producer
-	t    *testing.T
+	db      *testsvc.Database
+	nc      *nats.Conn // nil for polling
+	prod    *producer.Producer
+	app     *pgxpool.Pool // the producer's: the app role
+	workers *pgxpool.Pool // workers': the worker role
+	t       *testing.T
 }
 
 // setup gives a test its own database and, for the JetStream source, a NATS server and a relay.
@@ -60,13 +67,15 @@ func setup(t *testing.T, src source) *bundle {
 	p, err := producer.New(producer.Config{})
 	require.NoError(t, err)
 	b.prod = p
+	b.app = b.db.RolePool(t, testsvc.RoleApp)
+	b.workers = b.db.RolePool(t, testsvc.RoleWorker)
 	if src == jetStream {
 		ns := testsvc.StartNATS(t)
 		nc, err := nats.Connect(ns.URL(), nats.MaxReconnects(-1))
 		require.NoError(t, err)
 		t.Cleanup(nc.Close)
 		b.nc = nc
-		r, err := relay.New(relay.Config{DatabaseURL: b.db.URL, NATS: nc, Slot: b.db.Name,
+		r, err := relay.New(relay.Config{DatabaseURL: b.db.RoleURL(testsvc.RoleRelay), NATS: nc, Slot: b.db.Name,
 			StatusInterval: 100 * time.Millisecond, Logger: testLogger(t)})
 		require.NoError(t, err)
 		ctx, cancel := context.WithCancel(context.Background())
@@ -84,7 +93,7 @@ func (b *bundle) worker(cfg consumer.Config) (stop func()) {
 	t := b.t
 	t.Helper()
 	if cfg.Pool == nil {
-		cfg.Pool = b.db.Pool
+		cfg.Pool = b.workers
 	}
 	if cfg.NATS == nil {
 		cfg.NATS = b.nc
@@ -120,12 +129,12 @@ func (b *bundle) worker(cfg consumer.Config) (stop func()) {
 }
 
 func (b *bundle) conversation(id string) {
-	_, err := b.prod.CreateConversation(context.Background(), b.db.Pool, id)
+	_, err := b.prod.CreateConversation(context.Background(), b.app, id)
 	require.NoError(b.t, err)
 }
 
 func (b *bundle) send(conv, id, content string) int64 {
-	res, err := b.prod.Send(context.Background(), b.db.Pool, producer.Message{ConversationID: conv, ID: id, Content: content})
+	res, err := b.prod.Send(context.Background(), b.app, producer.Message{ConversationID: conv, ID: id, Content: content})
 	require.NoError(b.t, err)
 	return res.OutboxID
 }

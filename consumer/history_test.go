@@ -60,7 +60,7 @@ func TestHistoryIsTheTurnsThatEndedBeforeTheClaim(t *testing.T) {
 	p := b.prod
 	// begin starts a sender's transaction now; its messages are sent later.
 	begin := func() func(conv, id, content string) {
-		tx, err := b.db.Pool.Begin(ctx)
+		tx, err := b.app.Begin(ctx)
 		require.NoError(t, err)
 		_, err = tx.Exec(ctx, `SELECT now()`)
 		require.NoError(t, err)

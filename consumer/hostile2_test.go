@@ -274,7 +274,7 @@ func TestInfiniteLeaseIsRecovered(t *testing.T) {
 	require.NoError(t, err)
 	send(t, db, "c", "m2")
 
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		RecoveryInterval: 50 * time.Millisecond,
 		Handler:          func(context.Context, *Turn) (Reply, error) { return Reply{Content: "ok"}, nil }})
 	require.NoError(t, err)
@@ -300,7 +300,7 @@ func TestCompletedTurnKeepsItsLeaseWaitingForItsCommit(t *testing.T) {
 	conversations(t, db, "h", "b")
 	hStarted, hRelease := make(chan struct{}), make(chan struct{})
 	var bCalls atomic.Int32
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		Lease: time.Second, RecoveryInterval: 100 * time.Millisecond,
 		Handler: func(ctx context.Context, t *Turn) (Reply, error) {
 			if t.ConversationID == "h" {

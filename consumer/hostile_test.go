@@ -139,7 +139,7 @@ func TestAttemptsAtTheIntegerMaximum(t *testing.T) {
 	require.NoError(t, err)
 	send(t, db, "c", "m2")
 
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		Handler: func(context.Context, *Turn) (Reply, error) { return Reply{Content: "ok"}, nil }})
 	require.NoError(t, err)
 	runWorker(t, w)
@@ -270,7 +270,7 @@ func TestPollingSkipsBusyConversations(t *testing.T) {
 		lease_expires_at = now() + interval '1 hour' WHERE message_id LIKE '%-m1' AND conversation_id <> 'fresh'`)
 	require.NoError(t, err)
 
-	w, err := New(Config{Pool: db.Pool, PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), PollInterval: 20 * time.Millisecond, Debounce: time.Millisecond,
 		MaxConcurrentTurns: 1, Handler: func(context.Context, *Turn) (Reply, error) { return Reply{Content: "ok"}, nil }})
 	require.NoError(t, err)
 	runWorker(t, w)

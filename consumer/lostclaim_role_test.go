@@ -6,19 +6,13 @@ package consumer
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"log/slog"
 	"net"
-	"net/url"
-	"os"
-	"regexp"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
@@ -26,48 +20,11 @@ import (
 	"github.com/batonhq/baton/internal/testsvc"
 )
 
-// roleNameRE finds the role names in roles.sql; roles are cluster-wide, so tests rename them
-// after their own database (as deploy/deploytest does).
-var roleNameRE = regexp.MustCompile(`\bbaton_(app|relay|worker|migrator|console)\b`)
-
-// workerRoleURL applies deploy/postgres/roles.sql to db under role names of the test's own and
-// returns db's URL logging in as its baton_worker. The roles are dropped when the test ends.
-func workerRoleURL(t *testing.T, db *testsvc.Database) string {
-	t.Helper()
-	ctx := context.Background()
-	raw, err := os.ReadFile("../deploy/postgres/roles.sql")
-	require.NoError(t, err)
-	prefix := db.Name
-	sql := roleNameRE.ReplaceAllString(string(raw), prefix+"_$1")
-	require.Contains(t, sql, prefix+"_worker")
-	require.Contains(t, sql, "baton_relay_slots", "renaming roles must not rename tables")
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		for _, r := range []string{"app", "relay", "worker", "migrator", "console"} {
-			name := pgx.Identifier{prefix + "_" + r}.Sanitize()
-			_, _ = db.Pool.Exec(ctx, "REASSIGN OWNED BY "+name+" TO CURRENT_USER; DROP OWNED BY "+name+"; DROP ROLE "+name)
-		}
-	})
-	_, err = db.Pool.Exec(ctx, sql)
-	require.NoError(t, err, "apply roles.sql")
-	pw := make([]byte, 12)
-	_, _ = rand.Read(pw)
-	password := hex.EncodeToString(pw)
-	role := prefix + "_worker"
-	_, err = db.Pool.Exec(ctx, "ALTER ROLE "+pgx.Identifier{role}.Sanitize()+" PASSWORD '"+password+"'")
-	require.NoError(t, err)
-	u, err := url.Parse(db.URL)
-	require.NoError(t, err)
-	u.User = url.UserPassword(role, password)
-	return u.String()
-}
-
 // workerViaProxy returns a one-connection pool logged in as db's roles.sql worker role that
 // connects through a fault-injecting TCP proxy (as viaProxy does for the admin).
 func workerViaProxy(t *testing.T, db *testsvc.Database) (*pgxpool.Pool, *testsvc.Proxy) {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(workerRoleURL(t, db))
+	cfg, err := pgxpool.ParseConfig(db.RoleURL(testsvc.RoleWorker))
 	require.NoError(t, err)
 	role := cfg.ConnConfig.User
 	proxy := testsvc.StartProxy(t, net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port))))

@@ -139,7 +139,7 @@ func pollCost(t testing.TB, db *testsvc.Database) int {
 // pollPage returns what a polling pass finds on db, with the store's statement.
 func pollPage(t testing.TB, db *testsvc.Database) []pendingConversation {
 	t.Helper()
-	page, err := testStore(db.Pool).pendingConversations(context.Background(), 0, pollLimit)
+	page, err := testStore(db.RolePool(t, testsvc.RoleWorker)).pendingConversations(context.Background(), 0, pollLimit)
 	require.NoError(t, err)
 	return page
 }

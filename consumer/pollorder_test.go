@@ -112,7 +112,7 @@ func TestPendingConversationsKeepTheirOrder(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, tc.want, want, "the case's expectation disagrees with the definition")
 
-			page, err := testStore(db.Pool).pendingConversations(ctx, tc.minAge, limit)
+			page, err := testStore(db.RolePool(t, testsvc.RoleWorker)).pendingConversations(ctx, tc.minAge, limit)
 			require.NoError(t, err)
 			got := []string{}
 			for _, p := range page {

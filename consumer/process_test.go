@@ -36,14 +36,15 @@ type workerProcess struct {
 	log    testsvc.Buffer
 }
 
-// startWorker starts an echoagent process on the bundle's database and NATS server. The test's
+// startWorker starts an echoagent process on the bundle's database (as the worker role) and NATS
+// server. The test's
 // cleanup stops it with SIGTERM and requires a clean exit, unless the test killed it.
 func (b *bundle) startWorker(args ...string) *workerProcess {
 	t := b.t
 	t.Helper()
 	cmd := exec.Command(echoagentBinary(t), args...)
 	cmd.Env = append(os.Environ(),
-		"BATON_DATABASE_URL="+b.db.URL,
+		"BATON_DATABASE_URL="+b.db.RoleURL(testsvc.RoleWorker),
 		"BATON_NATS_URL="+b.nc.ConnectedUrl(),
 		"BATON_METRICS_ADDR=",
 		"BATON_LOG_LEVEL=debug",

@@ -59,7 +59,7 @@ func TestRecoveryNeverReplaysAfterAWriteOperation(t *testing.T) {
 func TestToolRefusedWhenTheRunLostAnyRow(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
-	w, err := New(Config{Pool: db.Pool, Handler: func(context.Context, *Turn) (Reply, error) { return Reply{}, nil }})
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), Handler: func(context.Context, *Turn) (Reply, error) { return Reply{}, nil }})
 	require.NoError(t, err)
 	w.store = s
 	send(t, db, "c", "m1", "m2")

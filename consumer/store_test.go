@@ -17,13 +17,14 @@ import (
 	"github.com/batonhq/baton/producer"
 )
 
-// storeFixture is a test database with one conversation and a store on it.
+// storeFixture is a test database with one conversation and a store on it, logged in as
+// roles.sql's worker role, as deployed (db.Pool is the owner's, for setting up and observing).
 func storeFixture(t *testing.T) (*testsvc.Database, *store) {
 	t.Helper()
 	db := testsvc.NewDatabase(t)
 	_, err := db.Pool.Exec(context.Background(), `INSERT INTO conversations (id) VALUES ('c')`)
 	require.NoError(t, err)
-	return db, testStore(db.Pool)
+	return db, testStore(db.RolePool(t, testsvc.RoleWorker))
 }
 
 // testStore is the store the tests use on pool: one-minute leases, three attempts, no backoff.

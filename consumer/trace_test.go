@@ -89,7 +89,7 @@ func TestOneMessageIsOneConnectedTrace(t *testing.T) {
 			b.conversation("c")
 
 			ctx, send := tr.tp.Tracer("app").Start(context.Background(), "send")
-			_, err := b.prod.Send(ctx, b.db.Pool, producer.Message{ConversationID: "c", ID: "m1", Content: "hi"})
+			_, err := b.prod.Send(ctx, b.app, producer.Message{ConversationID: "c", ID: "m1", Content: "hi"})
 			require.NoError(t, err)
 			send.End()
 			sender := send.SpanContext()

@@ -72,11 +72,11 @@ func benchTurnStatements(b *testing.B, k int, tools bool) {
 }
 
 // oneBackendStore returns a test database and a store on a pool of one connection (so one
-// backend runs all of its statements), which it also returns.
+// backend runs all of its statements), logged in as the worker role, which it also returns.
 func oneBackendStore(t testing.TB) (*testsvc.Database, *store, *pgxpool.Pool) {
 	t.Helper()
 	db := testsvc.NewDatabase(t)
-	pcfg, err := pgxpool.ParseConfig(db.URL)
+	pcfg, err := pgxpool.ParseConfig(db.RoleURL(testsvc.RoleWorker))
 	if err != nil {
 		t.Fatal(err)
 	}

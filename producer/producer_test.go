@@ -29,9 +29,12 @@ var (
 	_ producer.DB = (*pgxpool.Conn)(nil)
 )
 
+// bundle is a test's database and producer. The producer sends as roles.sql's app role, as
+// deployed (app); db.Pool is the owner's, for setting up and observing.
 type bundle struct {
 	ctx context.Context
 	db  *testsvc.Database
+	app *pgxpool.Pool
 	p   *producer.Producer
 }
 
@@ -41,12 +44,13 @@ func setup(t *testing.T) *bundle {
 	t.Cleanup(cancel)
 	p, err := producer.New(producer.Config{})
 	require.NoError(t, err)
-	return &bundle{ctx: ctx, db: testsvc.NewDatabase(t), p: p}
+	db := testsvc.NewDatabase(t)
+	return &bundle{ctx: ctx, db: db, app: db.RolePool(t, testsvc.RoleApp), p: p}
 }
 
 func (b *bundle) conversation(t *testing.T, id string) {
 	t.Helper()
-	created, err := b.p.CreateConversation(b.ctx, b.db.Pool, id)
+	created, err := b.p.CreateConversation(b.ctx, b.app, id)
 	require.NoError(t, err)
 	require.True(t, created)
 }
@@ -92,7 +96,7 @@ func TestSendWritesMessageAndPendingOutboxRow(t *testing.T) {
 	b := setup(t)
 	b.conversation(t, "c1")
 
-	res, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", "m1", "hello"))
+	res, err := b.p.Send(b.ctx, b.app, msg("c1", "m1", "hello"))
 	require.NoError(t, err)
 	require.False(t, res.AlreadyAccepted)
 	require.Positive(t, res.OutboxID)
@@ -143,9 +147,9 @@ func TestSendRetryWithSameIDIsNoop(t *testing.T) {
 	b := setup(t)
 	b.conversation(t, "c1")
 
-	first, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", "m1", "hello"))
+	first, err := b.p.Send(b.ctx, b.app, msg("c1", "m1", "hello"))
 	require.NoError(t, err)
-	second, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", "m1", "hello"))
+	second, err := b.p.Send(b.ctx, b.app, msg("c1", "m1", "hello"))
 	require.NoError(t, err)
 	require.True(t, second.AlreadyAccepted)
 	require.Equal(t, first.OutboxID, second.OutboxID)
@@ -153,7 +157,7 @@ func TestSendRetryWithSameIDIsNoop(t *testing.T) {
 	b.requireRows(t, 1, 1)
 
 	// A retry inside a transaction, even one that wrote the message itself, is a no-op too.
-	tx, err := b.db.Pool.Begin(b.ctx)
+	tx, err := b.app.Begin(b.ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(b.ctx) }()
 	third, err := b.p.SendTx(b.ctx, tx, msg("c1", "m1", "hello"))
@@ -247,7 +251,7 @@ func TestSendWaitsForConcurrentWriterOfSameID(t *testing.T) {
 			b.conversation(t, "c1")
 			b.conversation(t, "c2")
 
-			tx, err := b.db.Pool.Begin(b.ctx)
+			tx, err := b.app.Begin(b.ctx)
 			require.NoError(t, err)
 			defer func() { _ = tx.Rollback(b.ctx) }()
 			first, err := b.p.SendTx(b.ctx, tx, tc.first)
@@ -259,7 +263,7 @@ func TestSendWaitsForConcurrentWriterOfSameID(t *testing.T) {
 			}
 			done := make(chan outcome, 1)
 			go func() {
-				res, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", "m1", "hello"))
+				res, err := b.p.Send(b.ctx, b.app, msg("c1", "m1", "hello"))
 				done <- outcome{res, err}
 			}()
 			b.waitForLockWaiters(t, 1)
@@ -297,13 +301,13 @@ func TestSendTxRepeatableReadRaceIsSerializationFailure(t *testing.T) {
 	b := setup(t)
 	b.conversation(t, "c1")
 
-	first, err := b.db.Pool.Begin(b.ctx)
+	first, err := b.app.Begin(b.ctx)
 	require.NoError(t, err)
 	defer func() { _ = first.Rollback(b.ctx) }()
 	_, err = b.p.SendTx(b.ctx, first, msg("c1", "m1", "hello"))
 	require.NoError(t, err)
 
-	second, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	second, err := b.app.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 	require.NoError(t, err)
 	defer func() { _ = second.Rollback(b.ctx) }()
 	_, err = second.Exec(b.ctx, "SELECT 1") // takes the snapshot
@@ -326,7 +330,7 @@ func TestSendTxRepeatableReadRaceIsSerializationFailure(t *testing.T) {
 	require.NoError(t, second.Rollback(b.ctx))
 
 	// Retried, the transaction sees the committed message.
-	tx, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	tx, err := b.app.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(b.ctx) }()
 	res, err := b.p.SendTx(b.ctx, tx, msg("c1", "m1", "hello"))
@@ -341,7 +345,7 @@ func TestSendSameIDDifferentMessageIsConflict(t *testing.T) {
 	b := setup(t)
 	b.conversation(t, "c1")
 	b.conversation(t, "c2")
-	_, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", "m1", "hello"))
+	_, err := b.p.Send(b.ctx, b.app, msg("c1", "m1", "hello"))
 	require.NoError(t, err)
 	// Messages this package did not write: a reply, and a user message without outbox row.
 	b.exec(t, `INSERT INTO messages (id, conversation_id, role, content) VALUES ('reply', 'c1', 'assistant', 'hi')`)
@@ -357,7 +361,7 @@ func TestSendSameIDDifferentMessageIsConflict(t *testing.T) {
 		msg("c1", "reply", "hi"),   // not a user message
 		msg("c1", "bare", "hi"),    // no outbox row: recreating it could start a second turn
 	} {
-		_, err := b.p.Send(b.ctx, b.db.Pool, m)
+		_, err := b.p.Send(b.ctx, b.app, m)
 		require.ErrorIs(t, err, producer.ErrConflict, "%+v", m)
 		require.Contains(t, err.Error(), fmt.Sprintf("%q", m.ID))
 	}
@@ -365,7 +369,7 @@ func TestSendSameIDDifferentMessageIsConflict(t *testing.T) {
 
 	// Ids are compared exactly: these are new messages.
 	for _, id := range []string{"M1", "m1 "} {
-		res, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", id, "hello"))
+		res, err := b.p.Send(b.ctx, b.app, msg("c1", id, "hello"))
 		require.NoError(t, err)
 		require.False(t, res.AlreadyAccepted)
 	}
@@ -388,11 +392,11 @@ func TestSendConflictRevealsNothingAboutTheExistingMessage(t *testing.T) {
 		state func(t *testing.T) // puts a message with id X in place
 	}{
 		{"same id in another conversation", func(t *testing.T) {
-			_, err := b.p.Send(b.ctx, b.db.Pool, msg("secret-other-conv", id, "hello"))
+			_, err := b.p.Send(b.ctx, b.app, msg("secret-other-conv", id, "hello"))
 			require.NoError(t, err)
 		}},
 		{"same id in another conversation with other content", func(t *testing.T) {
-			_, err := b.p.Send(b.ctx, b.db.Pool, msg("secret-other-conv", id, "secret content"))
+			_, err := b.p.Send(b.ctx, b.app, msg("secret-other-conv", id, "secret content"))
 			require.NoError(t, err)
 		}},
 		{"same id in another conversation not a user message", func(t *testing.T) {
@@ -400,7 +404,7 @@ func TestSendConflictRevealsNothingAboutTheExistingMessage(t *testing.T) {
 				VALUES ($1, 'secret-other-conv', 'assistant', 'hello')`, id)
 		}},
 		{"same id, different content in the same conversation", func(t *testing.T) {
-			_, err := b.p.Send(b.ctx, b.db.Pool, msg("mine", id, "secret content"))
+			_, err := b.p.Send(b.ctx, b.app, msg("mine", id, "secret content"))
 			require.NoError(t, err)
 		}},
 		{"same id, same content, not a user message", func(t *testing.T) {
@@ -417,12 +421,12 @@ func TestSendConflictRevealsNothingAboutTheExistingMessage(t *testing.T) {
 		b.exec(t, "DELETE FROM messages WHERE id = $1", id) // its outbox row goes with it
 		tc.state(t)
 
-		_, err := b.p.Send(b.ctx, b.db.Pool, sent)
+		_, err := b.p.Send(b.ctx, b.app, sent)
 		require.ErrorIs(t, err, producer.ErrConflict, tc.name)
 		require.Equal(t, want, err.Error(), tc.name)
 		require.NotContains(t, err.Error(), "secret", tc.name)
 
-		tx, err := b.db.Pool.Begin(b.ctx)
+		tx, err := b.app.Begin(b.ctx)
 		require.NoError(t, err)
 		_, err = b.p.SendTx(b.ctx, tx, sent)
 		require.ErrorIs(t, err, producer.ErrConflict, tc.name)
@@ -435,11 +439,11 @@ func TestSendMissingConversationWritesNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 
-	_, err := b.p.Send(b.ctx, b.db.Pool, msg("missing", "m1", "hello"))
+	_, err := b.p.Send(b.ctx, b.app, msg("missing", "m1", "hello"))
 	require.ErrorIs(t, err, producer.ErrConversationNotFound)
 	b.requireRows(t, 0, 0)
 
-	tx, err := b.db.Pool.Begin(b.ctx)
+	tx, err := b.app.Begin(b.ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(b.ctx) }()
 	_, err = b.p.SendTx(b.ctx, tx, msg("missing", "m1", "hello"))
@@ -453,7 +457,7 @@ func TestSendMissingConversationWritesNothing(t *testing.T) {
 
 	// Once it exists, the same message goes through.
 	b.conversation(t, "missing")
-	res, err := b.p.Send(b.ctx, b.db.Pool, msg("missing", "m1", "hello"))
+	res, err := b.p.Send(b.ctx, b.app, msg("missing", "m1", "hello"))
 	require.NoError(t, err)
 	require.False(t, res.AlreadyAccepted)
 	b.requireRows(t, 1, 1)
@@ -465,9 +469,9 @@ func TestDeleteConversationCascades(t *testing.T) {
 	b.conversation(t, "c1")
 	b.conversation(t, "c2")
 	for i := range 3 {
-		_, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", fmt.Sprint("a", i), "hello"))
+		_, err := b.p.Send(b.ctx, b.app, msg("c1", fmt.Sprint("a", i), "hello"))
 		require.NoError(t, err)
-		_, err = b.p.Send(b.ctx, b.db.Pool, msg("c2", fmt.Sprint("b", i), "hello"))
+		_, err = b.p.Send(b.ctx, b.app, msg("c2", fmt.Sprint("b", i), "hello"))
 		require.NoError(t, err)
 	}
 	b.requireRows(t, 6, 6)
@@ -479,10 +483,10 @@ func TestDeleteConversationCascades(t *testing.T) {
 	require.Zero(t, left)
 
 	// The ids are free again, and the conversation must be created again first.
-	_, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", "a0", "hello"))
+	_, err := b.p.Send(b.ctx, b.app, msg("c1", "a0", "hello"))
 	require.ErrorIs(t, err, producer.ErrConversationNotFound)
 	b.conversation(t, "c1")
-	res, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", "a0", "hello"))
+	res, err := b.p.Send(b.ctx, b.app, msg("c1", "a0", "hello"))
 	require.NoError(t, err)
 	require.False(t, res.AlreadyAccepted)
 }
@@ -493,9 +497,10 @@ func TestSendTxCommitsAndRollsBackWithCallerTx(t *testing.T) {
 	b := setup(t)
 	b.conversation(t, "c1")
 	b.exec(t, "CREATE TABLE app_tickets (id text PRIMARY KEY, state text NOT NULL)")
+	b.exec(t, "GRANT ALL ON app_tickets TO "+pgx.Identifier{b.db.RoleName(testsvc.RoleApp)}.Sanitize()) // the app's own table
 
 	// The application's statement after SendTx fails: the caller rolls back, nothing stays.
-	tx, err := b.db.Pool.Begin(b.ctx)
+	tx, err := b.app.Begin(b.ctx)
 	require.NoError(t, err)
 	_, err = tx.Exec(b.ctx, "INSERT INTO app_tickets VALUES ('t1', 'open')")
 	require.NoError(t, err)
@@ -507,7 +512,7 @@ func TestSendTxCommitsAndRollsBackWithCallerTx(t *testing.T) {
 	b.requireRows(t, 0, 0)
 
 	// Explicit rollback after a successful SendTx.
-	tx, err = b.db.Pool.Begin(b.ctx)
+	tx, err = b.app.Begin(b.ctx)
 	require.NoError(t, err)
 	_, err = b.p.SendTx(b.ctx, tx, msg("c1", "m1", "hello"))
 	require.NoError(t, err)
@@ -545,7 +550,7 @@ func TestSendFailureBetweenInsertsWritesNothing(t *testing.T) {
 	b.exec(t, `CREATE TRIGGER fail_outbox BEFORE INSERT ON agent_outbox
 		FOR EACH ROW EXECUTE FUNCTION fail_outbox()`)
 
-	_, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", "m1", "hello"))
+	_, err := b.p.Send(b.ctx, b.app, msg("c1", "m1", "hello"))
 	var pgErr *pgconn.PgError
 	require.ErrorAs(t, err, &pgErr)
 	require.Equal(t, "P0001", pgErr.Code)
@@ -553,7 +558,7 @@ func TestSendFailureBetweenInsertsWritesNothing(t *testing.T) {
 	b.requireRows(t, 0, 0)
 
 	b.exec(t, "DROP TRIGGER fail_outbox ON agent_outbox")
-	res, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", "m1", "hello"))
+	res, err := b.p.Send(b.ctx, b.app, msg("c1", "m1", "hello"))
 	require.NoError(t, err)
 	require.False(t, res.AlreadyAccepted, "the failed attempt must have left no message")
 	b.requireRows(t, 1, 1)
@@ -582,7 +587,7 @@ func TestSendTxDroppedConnectionWritesNothing(t *testing.T) {
 	require.Error(t, tx.Commit(b.ctx))
 	b.requireRows(t, 0, 0)
 
-	res, err := b.p.Send(b.ctx, b.db.Pool, msg("c1", "m1", "hello"))
+	res, err := b.p.Send(b.ctx, b.app, msg("c1", "m1", "hello"))
 	require.NoError(t, err)
 	require.False(t, res.AlreadyAccepted)
 	b.requireRows(t, 1, 1)
@@ -670,14 +675,14 @@ func TestCreateConversation(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 
-	created, err := b.p.CreateConversation(b.ctx, b.db.Pool, "c1")
+	created, err := b.p.CreateConversation(b.ctx, b.app, "c1")
 	require.NoError(t, err)
 	require.True(t, created)
-	created, err = b.p.CreateConversation(b.ctx, b.db.Pool, "c1")
+	created, err = b.p.CreateConversation(b.ctx, b.app, "c1")
 	require.NoError(t, err)
 	require.False(t, created, "the second call finds it")
 
-	tx, err := b.db.Pool.Begin(b.ctx)
+	tx, err := b.app.Begin(b.ctx)
 	require.NoError(t, err)
 	created, err = b.p.CreateConversationTx(b.ctx, tx, "c2")
 	require.NoError(t, err)
@@ -686,7 +691,7 @@ func TestCreateConversation(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, tx.Rollback(b.ctx))
 	b.requireRows(t, 0, 0)
-	created, err = b.p.CreateConversation(b.ctx, b.db.Pool, "c2")
+	created, err = b.p.CreateConversation(b.ctx, b.app, "c2")
 	require.NoError(t, err)
 	require.True(t, created, "the rolled-back conversation must not exist")
 

@@ -25,7 +25,7 @@ func TestAdvNeighbourWatchStoppedMidLookLeavesTheConnection(t *testing.T) {
 	nc, err := nats.Connect(ns.URL())
 	require.NoError(t, err)
 	t.Cleanup(nc.Close)
-	r, err := New(Config{DatabaseURL: db.URL, NATS: nc, Slot: db.Name, Logger: slog.New(slog.DiscardHandler)})
+	r, err := New(Config{DatabaseURL: db.RoleURL(testsvc.RoleRelay), NATS: nc, Slot: db.Name, Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)
 
 	u, err := url.Parse(db.URL)

@@ -18,30 +18,6 @@ import (
 // Adversarial review of issue 27 ("nothing a neighbour does stops it"): the first-start claim
 // (claimFirstStart, migration 11) and the migrators' table lock.
 
-// advRelayRole creates a login role WITH REPLICATION that is neither a superuser nor a member
-// of pg_read_all_stats, with what baton_relay gets from roles.sql in the test's database, and
-// returns a database URL logged in as it.
-func advRelayRole(t *testing.T, b *bundle) string {
-	t.Helper()
-	ctx := ctxT(t, time.Minute)
-	role := b.db.Name + "_advrelay"
-	for _, stmt := range []string{
-		`CREATE ROLE ` + role + ` LOGIN REPLICATION`,
-		`GRANT SELECT ON ALL TABLES IN SCHEMA public TO ` + role,
-		`GRANT INSERT, UPDATE ON baton_relay_slots TO ` + role,
-	} {
-		_, err := b.db.Pool.Exec(ctx, stmt)
-		require.NoError(t, err, stmt)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		_, _ = b.db.Pool.Exec(ctx, `DROP OWNED BY `+role)
-		_, _ = b.db.Pool.Exec(ctx, `DROP ROLE IF EXISTS `+role)
-	})
-	return strings.Replace(b.db.URL, "postgres@", role+"@", 1)
-}
-
 // advOpenNeighbourTx opens a neighbour's transaction holding a transaction id: creating a
 // slot waits for it. The returned function commits it.
 func advOpenNeighbourTx(t *testing.T, b *bundle) func() {
@@ -77,14 +53,14 @@ func advAwaitGone(t *testing.T, b *bundle, pid int32) {
 	}, time.Minute, 50*time.Millisecond, "backend %d never ended", pid)
 }
 
-// advKilledClaimant starts a relay (logged in as a role of its own, whose URL it returns) whose
+// advKilledClaimant starts a relay (logged in as the relay role, whose URL it returns) whose
 // first start waits on a neighbour's open transaction, with a row of backlog, kills it
 // (kill -9) once it claimed the first start, commits the neighbour's transaction and waits
 // until the claimant's backend is gone; it returns that backend's pid too.
 func advKilledClaimant(t *testing.T, b *bundle) (string, int32) {
 	t.Helper()
 	ctx := ctxT(t, 4*time.Minute)
-	url := advRelayRole(t, b)
+	url := b.cfg.DatabaseURL // roles.sql's relay role: neither a superuser nor in pg_read_all_stats
 	createConversations(t, b.db.Pool, "c")
 	_, err := send(ctx, b.db.Pool, "c", "backlog")
 	require.NoError(t, err)
@@ -187,7 +163,7 @@ func TestAdvNeighbourVanishedFirstStartClaimantHoldsStandbysForEver(t *testing.T
 	_, err := send(ctx, b.db.Pool, "c", "backlog")
 	require.NoError(t, err)
 	commit := advOpenNeighbourTx(t, b)
-	proxy, viaProxy := proxied(t, b.db.URL)
+	proxy, viaProxy := proxied(t, b.cfg.DatabaseURL)
 
 	a := b.startHAProcess(t, viaProxy)
 	a.awaitLogged(t, "creating the slot waits for transactions")
@@ -198,7 +174,7 @@ func TestAdvNeighbourVanishedFirstStartClaimantHoldsStandbysForEver(t *testing.T
 	vanished := time.Now()
 	commit() // the slot's creation completes; the vanished relay never hears of it
 
-	standby := b.startHAProcess(t, b.db.URL)
+	standby := b.startHAProcess(t, b.cfg.DatabaseURL)
 	within := walSenderTimeout + 10*time.Second + 30*time.Second
 	ok := assertEventually(func() bool { return standby.logged("msg=streaming") }, within+30*time.Second)
 	var alive int

@@ -37,9 +37,9 @@ func TestAdversaryStalePublishAfterTakeoverLandsOutOfOrder(t *testing.T) {
 	createConversations(t, b.db.Pool, "c")
 	natsProxy := testsvc.StartProxy(t, strings.TrimPrefix(b.nats.URL(), "nats://"))
 	const window = 2 * time.Second
-	a := b.startAdvProcess(t, b.db.URL, "nats://"+natsProxy.Addr(), "--dup-window", window.String())
+	a := b.startAdvProcess(t, b.cfg.DatabaseURL, "nats://"+natsProxy.Addr(), "--dup-window", window.String())
 	require.Eventually(t, func() bool { return a.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay A never streamed")
-	standby := b.startAdvProcess(t, b.db.URL, b.nats.URL(), "--dup-window", window.String())
+	standby := b.startAdvProcess(t, b.cfg.DatabaseURL, b.nats.URL(), "--dup-window", window.String())
 	require.Eventually(t, func() bool { return standby.logged("standing by") }, time.Minute, 20*time.Millisecond, "relay B never stood by")
 
 	// A publishes the first event into a path that holds it; the others wait behind it.

@@ -24,7 +24,7 @@ func BenchmarkRelay(b *testing.B) {
 	ns := testsvc.StartNATS(b)
 	bin := batonBinary(b)
 	rep, err := bench.Run(b.Context(), bench.Config{
-		DatabaseURL:       db.URL,
+		DatabaseURL:       db.RoleURL(testsvc.RoleRelay),
 		NATS:              natsconn.Settings{URL: ns.URL()},
 		NATSInProcess:     !ns.External(),
 		RelayCommand:      []string{bin, "relay"},

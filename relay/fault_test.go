@@ -39,7 +39,7 @@ func (b *bundle) startProcess(t *testing.T) *relayProcess {
 	t.Helper()
 	cmd := exec.Command(batonBinary(t), "relay")
 	cmd.Env = append(os.Environ(),
-		"BATON_DATABASE_URL="+b.db.URL,
+		"BATON_DATABASE_URL="+b.cfg.DatabaseURL,
 		"BATON_NATS_URL="+b.nats.URL(),
 		"BATON_SLOT="+b.cfg.Slot,
 		"BATON_LOG_LEVEL=info",

@@ -247,9 +247,9 @@ func processIsFencedOut(t *testing.T, replicas int, fault processFault) {
 	proxy := testsvc.StartProxy(t, u.Host)
 	t.Cleanup(proxy.Unfreeze)
 	args := []string{"--stream-duplicates", window.String(), "--stream-replicas", fmt.Sprint(replicas)}
-	a := b.startAdvProcess(t, b.db.URL, "nats://"+proxy.Addr(), args...)
+	a := b.startAdvProcess(t, b.cfg.DatabaseURL, "nats://"+proxy.Addr(), args...)
 	require.Eventually(t, func() bool { return a.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay A never streamed")
-	standby := b.startAdvProcess(t, b.db.URL, b.nc.ConnectedUrl(), args...)
+	standby := b.startAdvProcess(t, b.cfg.DatabaseURL, b.nc.ConnectedUrl(), args...)
 	require.Eventually(t, func() bool { return standby.logged("standing by") }, time.Minute, 20*time.Millisecond, "relay B never stood by")
 	_, err = send(ctx, b.db.Pool, convs[0], "warm")
 	require.NoError(t, err)

@@ -58,7 +58,7 @@ func TestFrozenReplicationPathReconnects(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := ctxT(t, 3*time.Minute)
-	proxy, dbURL := proxied(t, b.db.URL)
+	proxy, dbURL := proxied(t, b.cfg.DatabaseURL)
 	reg := prometheus.NewRegistry()
 	b.cfg.DatabaseURL = dbURL
 	b.cfg.Registerer = reg

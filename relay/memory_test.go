@@ -27,7 +27,7 @@ func TestInFlightIsBoundedInBytes(t *testing.T) {
 	createConversations(t, b.db.Pool, "c")
 	natsProxy := testsvc.StartProxy(t, strings.TrimPrefix(b.nats.URL(), "nats://"))
 	addr := freeAddr(t)
-	p := b.startAdvProcess(t, b.db.URL, "nats://"+natsProxy.Addr(), "--metrics-addr", addr)
+	p := b.startAdvProcess(t, b.cfg.DatabaseURL, "nats://"+natsProxy.Addr(), "--metrics-addr", addr)
 	require.Eventually(t, func() bool { return p.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay never streamed")
 	const limit = 256 << 20
 

@@ -29,7 +29,7 @@ func TestHugeAnswersMessageDoesNotCostTheRelayItsMemory(t *testing.T) {
 	b := setup(t)
 	ctx := ctxT(t, 4*time.Minute)
 	createConversations(t, b.db.Pool, "c")
-	p := b.startAdvProcess(t, b.db.URL, b.nats.URL())
+	p := b.startAdvProcess(t, b.cfg.DatabaseURL, b.nats.URL())
 	require.Eventually(t, func() bool { return p.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay never streamed")
 	const limit = 256 << 20
 

@@ -52,7 +52,7 @@ func bulkBesideTheRelay(t *testing.T, rows int, mustBeBusy bool, args ...string)
 	createConversations(t, b.db.Pool, "c")
 	_, err := b.db.Pool.Exec(ctx, `CREATE TABLE neighbour_bulk (id bigint, pad text)`)
 	require.NoError(t, err)
-	p := b.startAdvProcess(t, neighbourURL(t, b.db.URL), b.nats.URL(), args...)
+	p := b.startAdvProcess(t, neighbourURL(t, b.cfg.DatabaseURL), b.nats.URL(), args...)
 	p.awaitLogged(t, "msg=streaming")
 
 	started := time.Now()
@@ -79,7 +79,7 @@ func TestHugeLogicalMessageOverASlowLinkIsLife(t *testing.T) {
 	b := setup(t)
 	ctx := ctxT(t, 3*time.Minute)
 	createConversations(t, b.db.Pool, "c")
-	proxy, viaProxy := proxied(t, b.db.URL)
+	proxy, viaProxy := proxied(t, b.cfg.DatabaseURL)
 	b.cfg.DatabaseURL = viaProxy
 	b.cfg.MaxChangeBytes = 1 << 20
 	b.cfg.MinSilence = time.Second // the bundle's status interval is 100ms
@@ -120,7 +120,7 @@ func TestNeighboursOpenTransactionHoldingSlotCreationIsReported(t *testing.T) {
 	var pid int32
 	require.NoError(t, long.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
 
-	p := b.startAdvProcess(t, b.db.URL, b.nats.URL())
+	p := b.startAdvProcess(t, b.cfg.DatabaseURL, b.nats.URL())
 	p.awaitLogged(t, "creating the slot waits for transactions")
 	require.True(t, p.logged(fmt.Sprintf("pid %d (role", pid)), "the log names the neighbour's backend")
 	require.False(t, p.logged("msg=streaming"))

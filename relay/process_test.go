@@ -94,7 +94,7 @@ func TestGracefulStopConfirmsAndExitsZero(t *testing.T) {
 	addr := freeAddr(t)
 
 	cmd := exec.Command(batonBinary(t), "relay", "--metrics-addr", addr)
-	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+b.db.URL, "BATON_NATS_URL="+b.nats.URL(),
+	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+b.cfg.DatabaseURL, "BATON_NATS_URL="+b.nats.URL(),
 		"BATON_SLOT="+b.cfg.Slot, "BATON_LOG_FORMAT=json")
 	stderr, err := cmd.StderrPipe()
 	require.NoError(t, err)

@@ -45,7 +45,7 @@ func setup(t *testing.T) *bundle {
 	js, err := jetstream.New(nc)
 	require.NoError(t, err)
 	return &bundle{db: db, nats: ns, nc: nc, js: js, cfg: relay.Config{
-		DatabaseURL:    db.URL,
+		DatabaseURL:    db.RoleURL(testsvc.RoleRelay), // as deployed: roles.sql's relay role
 		NATS:           nc,
 		Slot:           db.Name, // slots are cluster-wide: one per test
 		StatusInterval: 100 * time.Millisecond,

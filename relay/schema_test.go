@@ -17,10 +17,12 @@ func TestRelayRunsInTheConfiguredSchema(t *testing.T) {
 	ctx := ctxT(t, time.Minute)
 	_, err := b.db.Pool.Exec(ctx, `CREATE SCHEMA bt`)
 	require.NoError(t, err)
-	for _, tbl := range []string{"conversations", "messages", "agent_outbox", "operations", "baton_relay_slots"} {
-		_, err := b.db.Pool.Exec(ctx, `ALTER TABLE `+tbl+` SET SCHEMA bt`)
+	for _, stmt := range []string{"TABLE conversations", "TABLE messages", "TABLE agent_outbox", "TABLE operations",
+		"TABLE agent_runs", "TABLE baton_relay_slots", "TABLE baton_schema_migrations", "FUNCTION baton_fence(boolean, text)"} {
+		_, err := b.db.Pool.Exec(ctx, `ALTER `+stmt+` SET SCHEMA bt`)
 		require.NoError(t, err)
 	}
+	b.db.ApplyRoles(t, "bt", "") // as an operator would: the relay's role needs the schema
 	_, err = b.db.Pool.Exec(ctx, `INSERT INTO bt.conversations (id) VALUES ('c')`)
 	require.NoError(t, err)
 	var id int64

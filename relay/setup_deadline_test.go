@@ -22,7 +22,7 @@ func TestFirstStartStatementsHaveDeadlines(t *testing.T) {
 	b.cfg.Registerer = reg
 	b.cfg.SetupTimeout = 2 * time.Second
 	ctx := ctxT(t, 2*time.Minute)
-	proxy, viaProxy := proxied(t, b.db.URL)
+	proxy, viaProxy := proxied(t, b.cfg.DatabaseURL)
 	b.cfg.DatabaseURL = viaProxy
 
 	lock, err := b.db.Pool.Begin(ctx)

@@ -29,7 +29,7 @@ func shardSetup(t *testing.T, n int) *bundle {
 // startShard runs `baton relay --shard k/n` as a process until the test ends.
 func (b *bundle) startShard(t *testing.T, k, n int) *haProcess {
 	t.Helper()
-	return b.startHAProcess(t, b.db.URL, "--shard", fmt.Sprintf("%d/%d", k, n))
+	return b.startHAProcess(t, b.cfg.DatabaseURL, "--shard", fmt.Sprintf("%d/%d", k, n))
 }
 
 func (p *haProcess) awaitLogged(t *testing.T, s string) {

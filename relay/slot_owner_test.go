@@ -91,7 +91,7 @@ func TestRecreateSlotFlag(t *testing.T) {
 	b := setup(t)
 	_, err := b.db.Pool.Exec(slotCtx(t), `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, b.cfg.Slot)
 	require.NoError(t, err)
-	env := append(os.Environ(), "BATON_DATABASE_URL="+b.db.URL, "BATON_NATS_URL="+b.nats.URL(), "BATON_SLOT="+b.cfg.Slot)
+	env := append(os.Environ(), "BATON_DATABASE_URL="+b.cfg.DatabaseURL, "BATON_NATS_URL="+b.nats.URL(), "BATON_SLOT="+b.cfg.Slot)
 
 	cmd := exec.CommandContext(ctxT(t, time.Minute), batonBinary(t), "relay")
 	cmd.Env = env

@@ -93,11 +93,11 @@ func TestStandbyTakesOverFromAVanishedHost(t *testing.T) {
 	setWalSenderTimeout(t, b, walSenderTimeout)
 	convs := conversationIDs(10)
 	createConversations(t, b.db.Pool, convs...)
-	proxy, viaProxy := proxied(t, b.db.URL)
+	proxy, viaProxy := proxied(t, b.cfg.DatabaseURL)
 
 	a := b.startHAProcess(t, viaProxy)
 	require.Eventually(t, func() bool { return a.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay A never streamed")
-	standby := b.startHAProcess(t, b.db.URL)
+	standby := b.startHAProcess(t, b.cfg.DatabaseURL)
 	require.Eventually(t, func() bool { return standby.logged("standing by") }, time.Minute, 20*time.Millisecond, "relay B never stood by")
 	_, err := send(ctx, b.db.Pool, convs[0], "before")
 	require.NoError(t, err)

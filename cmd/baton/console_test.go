@@ -64,7 +64,7 @@ func TestConsoleServes(t *testing.T) {
 	db := testsvc.NewDatabase(t)
 	pwFile := t.TempDir() + "/pw"
 	require.NoError(t, os.WriteFile(pwFile, []byte("hunter2-console\n"), 0o600))
-	t.Setenv(config.EnvDatabaseURL, db.URL)
+	t.Setenv(config.EnvDatabaseURL, db.RoleURL(testsvc.RoleConsole))
 	t.Setenv(config.EnvLogLevel, "debug")
 	t.Setenv(console.EnvAddr, "0.0.0.0:0") // allowed: auth is on
 	t.Setenv(console.EnvUser, "ops")

@@ -138,12 +138,16 @@ func TestNATSSecurityEveryProcess(t *testing.T) {
 				require.NoError(t, os.WriteFile(p, []byte(data+"\n"), 0o600))
 				return p
 			}
-			// The relay and the echo agent read both URLs from files; the others from the variables.
-			dbFile := write("database-url", db.URL)
+			// The relay and the echo agent read both URLs from files, each logging in as its role of
+			// roles.sql (as deployed); the others from the variables.
+			dbFiles := map[testsvc.Role]string{
+				testsvc.RoleRelay:  write("relay-database-url", db.RoleURL(testsvc.RoleRelay)),
+				testsvc.RoleWorker: write("worker-database-url", db.RoleURL(testsvc.RoleWorker)),
+			}
 			urlFiles := map[string]string{n.Good.URL: write("good-nats-url", n.Good.URL), n.Bad.URL: write("bad-nats-url", n.Bad.URL)}
-			filesEnv := func(s natsconn.Settings) []string {
+			filesEnv := func(s natsconn.Settings, role testsvc.Role) []string {
 				env := []string{
-					config.EnvDatabaseURLFile + "=" + dbFile,
+					config.EnvDatabaseURLFile + "=" + dbFiles[role],
 					config.EnvNATSURLFile + "=" + urlFiles[s.URL],
 					config.EnvSlot + "=" + db.Name,
 					config.EnvFatalLinger + "=0",
@@ -161,14 +165,14 @@ func TestNATSSecurityEveryProcess(t *testing.T) {
 
 			// Wrong settings: every process ends at once, saying why.
 			refused := []*child{
-				startChild(t, "relay", bins["baton"], filesEnv(n.Bad), "relay"),
-				startChild(t, "echoagent", bins["echoagent"], filesEnv(n.Bad)),
+				startChild(t, "relay", bins["baton"], filesEnv(n.Bad, testsvc.RoleRelay), "relay"),
+				startChild(t, "echoagent", bins["echoagent"], filesEnv(n.Bad, testsvc.RoleWorker)),
 				startChild(t, "subscriber", bins["subscriber"], env(n.Bad)),
 			}
 			status := startChild(t, "status", bins["baton"], env(n.Bad), "status", "--json")
 
 			// Right settings: the relay creates the streams through the login.
-			relay := startChild(t, "relay", bins["baton"], filesEnv(n.Good), "relay")
+			relay := startChild(t, "relay", bins["baton"], filesEnv(n.Good, testsvc.RoleRelay), "relay")
 			nc, err := n.Good.Connect()
 			require.NoError(t, err)
 			t.Cleanup(nc.Close)
@@ -181,7 +185,7 @@ func TestNATSSecurityEveryProcess(t *testing.T) {
 				return err == nil
 			}, 30*time.Second, 20*time.Millisecond, "the relay did not create %s", turns)
 			workers := []*child{
-				startChild(t, "echoagent", bins["echoagent"], filesEnv(n.Good)),
+				startChild(t, "echoagent", bins["echoagent"], filesEnv(n.Good, testsvc.RoleWorker)),
 				startChild(t, "subscriber", bins["subscriber"], env(n.Good)),
 			}
 
@@ -269,7 +273,7 @@ func TestRelayExitsWhenItsLoginIsRefusedOnReconnect(t *testing.T) {
 	bin := testsvc.Binary(t, "github.com/batonhq/baton/cmd/baton")
 	n := testsvc.StartSecureNATS(t, testsvc.NATSUserPassword)
 	db := testsvc.NewDatabase(t)
-	relay := startChild(t, "relay", bin, []string{config.EnvDatabaseURL + "=" + db.URL, config.EnvNATSURL + "=" + n.Good.URL,
+	relay := startChild(t, "relay", bin, []string{config.EnvDatabaseURL + "=" + db.RoleURL(testsvc.RoleRelay), config.EnvNATSURL + "=" + n.Good.URL,
 		config.EnvSlot + "=" + db.Name, config.EnvFatalLinger + "=0", config.EnvLogFormat + "=json"}, "relay")
 	// Streaming, not merely known to the server by name: the server names a client once it read
 	// its CONNECT, before its PONG, and a password changed in between ends the first connect

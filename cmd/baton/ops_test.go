@@ -25,12 +25,14 @@ func TestSIGHUPStopsLikeSIGTERM(t *testing.T) {
 		"github.com/batonhq/baton/examples/subscriber")
 	db := testsvc.NewDatabase(t)
 	n := testsvc.StartNATS(t)
-	env := []string{config.EnvDatabaseURL + "=" + db.URL, config.EnvNATSURL + "=" + n.URL(), config.EnvSlot + "=" + db.Name}
-	relay := startChild(t, "relay", bins[0], env, "relay")
+	env := func(role testsvc.Role) []string {
+		return []string{config.EnvDatabaseURL + "=" + db.RoleURL(role), config.EnvNATSURL + "=" + n.URL(), config.EnvSlot + "=" + db.Name}
+	}
+	relay := startChild(t, "relay", bins[0], env(testsvc.RoleRelay), "relay")
 	relay.await(t, "msg=streaming")
-	agent := startChild(t, "echoagent", bins[1], env)
+	agent := startChild(t, "echoagent", bins[1], env(testsvc.RoleWorker))
 	agent.await(t, "echoagent started")
-	sub := startChild(t, "subscriber", bins[2], env, "--durable", "hup")
+	sub := startChild(t, "subscriber", bins[2], env(testsvc.RoleWorker), "--durable", "hup")
 	sub.await(t, "subscribed to outcomes")
 	for _, c := range []*child{sub, agent, relay} {
 		require.NoError(t, c.cmd.Process.Signal(syscall.SIGHUP))
@@ -81,7 +83,7 @@ func TestWorkerReadyzFollowsNATS(t *testing.T) {
 	n := testsvc.StartNATS(t)
 	require.False(t, n.External(), "this test stops NATS: unset %s", testsvc.EnvNATSURL)
 	addr := freeAddr(t)
-	agent := startChild(t, "echoagent", agentBin, []string{config.EnvDatabaseURL + "=" + db.URL,
+	agent := startChild(t, "echoagent", agentBin, []string{config.EnvDatabaseURL + "=" + db.RoleURL(testsvc.RoleWorker),
 		config.EnvNATSURL + "=" + n.URL(), config.EnvMetricsAddr + "=" + addr})
 	agent.await(t, "echoagent started")
 	probe := func(path string) (int, string) {

@@ -53,7 +53,7 @@ func TestRelayStreamFlags(t *testing.T) {
 	t.Parallel()
 	db := testsvc.NewDatabase(t)
 	ns := testsvc.StartNATS(t)
-	args := []string{"relay", "--database-url", db.URL, "--nats-url", ns.URL(), "--slot", db.Name}
+	args := []string{"relay", "--database-url", db.RoleURL(testsvc.RoleRelay), "--nats-url", ns.URL(), "--slot", db.Name}
 
 	var stdout, stderr bytes.Buffer
 	code := run(context.Background(), append(args, "--stream-max-msgs", "0"), &stdout, &stderr)

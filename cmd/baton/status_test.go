@@ -50,7 +50,7 @@ func discardLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Disca
 func (b *statusBundle) startRelay() (stop func()) {
 	t := b.t
 	t.Helper()
-	r, err := relay.New(relay.Config{DatabaseURL: b.db.URL, NATS: b.nc, Slot: b.db.Name,
+	r, err := relay.New(relay.Config{DatabaseURL: b.db.RoleURL(testsvc.RoleRelay), NATS: b.nc, Slot: b.db.Name,
 		StatusInterval: 100 * time.Millisecond, Logger: discardLogger()})
 	require.NoError(t, err)
 	return b.runUntilStopped("relay", r.Run, func() bool { return r.Active() })
@@ -60,7 +60,7 @@ func (b *statusBundle) startRelay() (stop func()) {
 func (b *statusBundle) startWorker() (stop func()) {
 	t := b.t
 	t.Helper()
-	w, err := consumer.New(consumer.Config{Pool: b.db.Pool, NATS: b.nc, Logger: discardLogger(),
+	w, err := consumer.New(consumer.Config{Pool: b.db.RolePool(t, testsvc.RoleWorker), NATS: b.nc, Logger: discardLogger(),
 		Handler: func(_ context.Context, turn *consumer.Turn) (consumer.Reply, error) {
 			return consumer.Reply{Content: "echo: " + turn.Messages[0].Content}, nil
 		}})

@@ -31,7 +31,7 @@ func TestTenMiBMessage(t *testing.T) {
 	// The default producer: a clear error, nothing written.
 	def, err := producer.New(producer.Config{})
 	require.NoError(t, err)
-	_, err = def.Send(ctx, s.db.Pool, producer.Message{ConversationID: "big", ID: "refused", Content: tenMiB})
+	_, err = def.Send(ctx, s.app, producer.Message{ConversationID: "big", ID: "refused", Content: tenMiB})
 	require.ErrorIs(t, err, producer.ErrContentTooLarge)
 	var ie *producer.InputError
 	require.True(t, errors.As(err, &ie))

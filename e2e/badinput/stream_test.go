@@ -42,7 +42,7 @@ func TestOperatorDeletesStreams(t *testing.T) {
 					return
 				case <-time.After(10 * time.Millisecond):
 				}
-				_, err := s.prod.Send(ctx, s.db.Pool, producer.Message{ConversationID: c, ID: fmt.Sprintf("%s-%d", c, n), Content: "hi"})
+				_, err := s.prod.Send(ctx, s.app, producer.Message{ConversationID: c, ID: fmt.Sprintf("%s-%d", c, n), Content: "hi"})
 				if err != nil {
 					t.Errorf("send: %v", err)
 					return

@@ -88,9 +88,9 @@ func TestNATSSpecialConversationIDs(t *testing.T) {
 
 	// 1,000 characters: a clear error from the producer and from the schema.
 	tooLong := strings.Repeat(".*>", 334)[:1000]
-	_, err := s.prod.CreateConversation(ctx, s.db.Pool, tooLong)
+	_, err := s.prod.CreateConversation(ctx, s.app, tooLong)
 	require.ErrorIs(t, err, producer.ErrInvalidInput)
-	_, err = s.prod.Send(ctx, s.db.Pool, producer.Message{ConversationID: tooLong, ID: "long", Content: "x"})
+	_, err = s.prod.Send(ctx, s.app, producer.Message{ConversationID: tooLong, ID: "long", Content: "x"})
 	require.ErrorIs(t, err, producer.ErrInvalidInput)
 	var ie *producer.InputError
 	require.True(t, errors.As(err, &ie))

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"sync"
 	"testing"
 	"time"
@@ -28,6 +29,7 @@ type system struct {
 	nc      *nats.Conn
 	js      jetstream.JetStream
 	prod    *producer.Producer
+	app     *pgxpool.Pool // the producer's: roles.sql's app role, as deployed
 	relay   *testsvc.Process
 	worker  *testsvc.Process
 	// turns holds every turn event the relay published, as a core NATS subscription to the
@@ -116,17 +118,18 @@ func start(t *testing.T, o options) *system {
 		s.turns = watchTurns(t, nc)
 	}
 	s.prod, err = producer.New(producer.Config{MaxContentBytes: o.maxContentBytes})
+	s.app = s.db.RolePool(t, testsvc.RoleApp)
 	require.NoError(t, err)
 	s.relay = s.startRelay()
 	s.relay.WaitLog(t, `"msg":"streaming"`, time.Minute)
-	s.worker = s.startProcess("worker", testsvc.Binary(t, "github.com/batonhq/baton/examples/echoagent"))
+	s.worker = s.startProcess("worker", testsvc.RoleWorker, testsvc.Binary(t, "github.com/batonhq/baton/examples/echoagent"))
 	s.worker.WaitLog(t, `"msg":"echoagent started"`, time.Minute)
 	return s
 }
 
 // startRelay starts `baton relay` on the test's database, NATS server and slot.
 func (s *system) startRelay() *testsvc.Process {
-	return s.startProcess("relay", testsvc.Binary(s.t, "github.com/batonhq/baton/cmd/baton"), "relay")
+	return s.startProcess("relay", testsvc.RoleRelay, testsvc.Binary(s.t, "github.com/batonhq/baton/cmd/baton"), "relay")
 }
 
 // startNATS starts a NATS server with JetStream and the given max_payload, stopped when the
@@ -153,11 +156,11 @@ func startNATS(t *testing.T, maxPayload int32) string {
 	return srv.ClientURL()
 }
 
-// startProcess starts bin with args on the system's database and NATS server. The test's
-// cleanup stops it with SIGTERM and requires a clean exit.
-func (s *system) startProcess(name, bin string, args ...string) *testsvc.Process {
+// startProcess starts bin with args on the system's database, logged in as role (as deployed),
+// and NATS server. The test's cleanup stops it with SIGTERM and requires a clean exit.
+func (s *system) startProcess(name string, role testsvc.Role, bin string, args ...string) *testsvc.Process {
 	return testsvc.StartProcess(s.t, name, bin, []string{
-		"BATON_DATABASE_URL=" + s.db.URL,
+		"BATON_DATABASE_URL=" + s.db.RoleURL(role),
 		"BATON_NATS_URL=" + s.natsURL,
 		"BATON_SLOT=" + s.db.Name, // slots are cluster-wide: one per test
 		"BATON_METRICS_ADDR=",
@@ -176,14 +179,14 @@ func ctxFor(t *testing.T, d time.Duration) context.Context {
 // conversation creates a conversation through the producer.
 func (s *system) conversation(id string) {
 	s.t.Helper()
-	_, err := s.prod.CreateConversation(ctxFor(s.t, 30*time.Second), s.db.Pool, id)
+	_, err := s.prod.CreateConversation(ctxFor(s.t, 30*time.Second), s.app, id)
 	require.NoError(s.t, err, "create conversation %q", id)
 }
 
 // send sends a user message through the producer and requires it accepted.
 func (s *system) send(conv, id, content string) {
 	s.t.Helper()
-	_, err := s.prod.Send(ctxFor(s.t, 30*time.Second), s.db.Pool, producer.Message{ConversationID: conv, ID: id, Content: content})
+	_, err := s.prod.Send(ctxFor(s.t, 30*time.Second), s.app, producer.Message{ConversationID: conv, ID: id, Content: content})
 	require.NoError(s.t, err, "send %q to %q", id, conv)
 }
 

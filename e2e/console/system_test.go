@@ -33,9 +33,9 @@ func start(t *testing.T, o options) *system {
 	t.Helper()
 	s := &system{t: t, db: testsvc.NewDatabase(t), natsURL: testsvc.StartNATS(t).URL(), addr: freeAddr(t)}
 	bins := testsvc.Binaries(t, "github.com/batonhq/baton/cmd/baton", "github.com/batonhq/baton/examples/echoagent")
-	s.startProcess("relay", bins[0], "relay")
-	s.startProcess("echoagent", bins[1], o.agentArgs...)
-	s.console = s.startProcess("console", bins[0], "console")
+	s.startProcess("relay", testsvc.RoleRelay, bins[0], "relay")
+	s.startProcess("echoagent", testsvc.RoleWorker, bins[1], o.agentArgs...)
+	s.console = s.startProcess("console", testsvc.RoleConsole, bins[0], "console")
 	s.awaitConsole(time.Minute)
 	return s
 }
@@ -67,7 +67,7 @@ func (s *system) awaitConsole(within time.Duration) {
 // restartConsole starts the console again on the same address after stopConsole.
 func (s *system) restartConsole() {
 	s.t.Helper()
-	s.console = s.startProcess("console", s.console.Cmd.Path, "console")
+	s.console = s.startProcess("console", testsvc.RoleConsole, s.console.Cmd.Path, "console")
 	s.awaitConsole(time.Minute)
 }
 
@@ -88,11 +88,12 @@ func freeAddr(t *testing.T) string {
 	return addr
 }
 
-// startProcess starts bin with args on the system's database and NATS server, the console on
-// the system's address. The test's cleanup stops it with SIGTERM and requires a clean exit.
-func (s *system) startProcess(name, bin string, args ...string) *testsvc.Process {
+// startProcess starts bin with args on the system's database, logged in as role (as deployed),
+// and NATS server, the console on the system's address. The test's cleanup stops it with
+// SIGTERM and requires a clean exit.
+func (s *system) startProcess(name string, role testsvc.Role, bin string, args ...string) *testsvc.Process {
 	return testsvc.StartProcess(s.t, name, bin, []string{
-		"BATON_DATABASE_URL=" + s.db.URL,
+		"BATON_DATABASE_URL=" + s.db.RoleURL(role),
 		"BATON_NATS_URL=" + s.natsURL,
 		"BATON_SLOT=" + s.db.Name, // slots are cluster-wide: one per test
 		"BATON_CONSOLE_ADDR=" + s.addr,

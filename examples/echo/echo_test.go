@@ -28,7 +28,7 @@ func TestMain(m *testing.M) { os.Exit(testsvc.MainNoLeaks(m)) }
 func runAgent(t *testing.T, a *echo.Agent, maxAttempts int) *testsvc.Database {
 	t.Helper()
 	db := testsvc.NewDatabase(t)
-	w, err := consumer.New(consumer.Config{Pool: db.Pool, Handler: a.Handle, MaxAttempts: maxAttempts,
+	w, err := consumer.New(consumer.Config{Pool: db.RolePool(t, testsvc.RoleWorker), Handler: a.Handle, MaxAttempts: maxAttempts,
 		PollInterval: 10 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())

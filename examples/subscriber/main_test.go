@@ -136,13 +136,13 @@ func setup(t *testing.T) *bundle {
 	require.NoError(t, err)
 
 	discard := slog.New(slog.NewTextHandler(io.Discard, nil))
-	r, err := relay.New(relay.Config{DatabaseURL: b.db.URL, NATS: nc, Slot: b.db.Name,
+	r, err := relay.New(relay.Config{DatabaseURL: b.db.RoleURL(testsvc.RoleRelay), NATS: nc, Slot: b.db.Name,
 		StatusInterval: 100 * time.Millisecond, Logger: discard})
 	require.NoError(t, err)
 	b.background("relay", r.Run)
 	require.Eventually(t, r.Active, time.Minute, 5*time.Millisecond, "relay never became active")
 
-	w, err := consumer.New(consumer.Config{Pool: b.db.Pool, NATS: nc, Logger: discard,
+	w, err := consumer.New(consumer.Config{Pool: b.db.RolePool(t, testsvc.RoleWorker), NATS: nc, Logger: discard,
 		Handler: func(_ context.Context, turn *consumer.Turn) (consumer.Reply, error) {
 			return consumer.Reply{Content: "echo: " + turn.Messages[0].Content}, nil
 		}})

@@ -37,7 +37,7 @@ func setup(t *testing.T, cfg Config, withNATS bool) *testEnv {
 	t.Helper()
 	e := &testEnv{db: testsvc.NewDatabase(t)}
 	if cfg.Pool == nil {
-		cfg.Pool = e.db.Pool
+		cfg.Pool = e.db.RolePool(t, testsvc.RoleConsole) // as deployed: roles.sql's console role
 	}
 	if withNATS {
 		n := testsvc.StartNATS(t)
@@ -245,7 +245,7 @@ func exec(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) {
 // longer than within to return.
 func serveUntilStopped(t *testing.T, db *testsvc.Database, within time.Duration) (srv *Server, addr string, stop func() error) {
 	t.Helper()
-	srv, err := New(Config{Pool: db.Pool})
+	srv, err := New(Config{Pool: db.RolePool(t, testsvc.RoleConsole)})
 	require.NoError(t, err)
 	var lc net.ListenConfig
 	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")

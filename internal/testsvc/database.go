@@ -35,6 +35,9 @@ var shared struct {
 	admin    *pgxpool.Pool
 	template string
 	seq      atomic.Int64
+	// rolePassword logs in roles.sql's roles (see roles.go); rolesCreated: dropRoles has work.
+	rolePassword string
+	rolesCreated bool
 }
 
 // Main runs the tests of a package, then stops the shared cluster, if one was started, and
@@ -71,10 +74,15 @@ func closeShared() error {
 	if shared.admin != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
+		var err error
 		if shared.pg == nil && shared.template != "" {
 			_, _ = shared.admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{shared.template}.Sanitize()+" WITH (FORCE)")
+			err = dropRoles(ctx)
 		}
 		shared.admin.Close()
+		if err != nil {
+			return err
+		}
 	}
 	if shared.pg != nil {
 		return shared.pg.Close()
@@ -85,9 +93,15 @@ func closeShared() error {
 func setupShared() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
+	shared.template = fmt.Sprintf("baton_tpl_%d_%d", os.Getpid(), time.Now().UnixNano()%1e6)
 	raw := os.Getenv(EnvDatabaseURL)
 	if raw == "" {
-		pg, err := StartPostgres(ctx)
+		// pg_hba.conf as roles.sql asks a deployment to have it: the relay's role, which has
+		// REPLICATION, may not make physical replication connections (baton status checks).
+		pg, err := StartPostgresWith(ctx, throwaway.PostgresOptions{HBA: []string{
+			"local replication " + roleName(RoleRelay) + " reject",
+			"host replication " + roleName(RoleRelay) + " all reject",
+		}})
 		if errors.Is(err, throwaway.ErrNoPostgres) {
 			return ErrNoPostgres
 		}
@@ -114,7 +128,6 @@ func setupShared() error {
 	if walLevel != "logical" {
 		return fmt.Errorf("test postgres runs with wal_level=%s; Baton needs wal_level=logical", walLevel)
 	}
-	shared.template = fmt.Sprintf("baton_tpl_%d_%d", os.Getpid(), time.Now().UnixNano()%1e6)
 	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{shared.template}.Sanitize()); err != nil {
 		return fmt.Errorf("create template database: %w", err)
 	}
@@ -126,7 +139,7 @@ func setupShared() error {
 	if _, err := migrations.Up(ctx, conn); err != nil {
 		return fmt.Errorf("migrate template database: %w", err)
 	}
-	return nil
+	return setupRoles(ctx, conn)
 }
 
 func withDatabase(base *url.URL, db string) string {
@@ -135,7 +148,8 @@ func withDatabase(base *url.URL, db string) string {
 	return u.String()
 }
 
-// Database is a migrated database of its own for one test.
+// Database is a migrated database of its own for one test, with roles.sql applied (see
+// roles.go): URL and Pool log in as the owner, RoleURL and RolePool as a Baton role.
 type Database struct {
 	Name string
 	URL  string
@@ -160,6 +174,9 @@ func NewDatabase(t testing.TB) *Database {
 		t.Fatalf("create test database: %v", err)
 	}
 	db := &Database{Name: name, URL: withDatabase(shared.base, name)}
+	if err := grantDatabase(ctx, name); err != nil {
+		t.Fatalf("%v", err)
+	}
 	pcfg, err := pgxpool.ParseConfig(db.URL)
 	if err != nil {
 		t.Fatalf("parse test database url: %v", err)
