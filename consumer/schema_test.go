@@ -8,6 +8,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/internal/testsvc"
 )
 
 // The worker's statements name Baton's tables without a schema, so Run refuses a pool whose
@@ -20,7 +22,7 @@ func TestRunRefusesAPoolThatDoesNotSearchItsSchema(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 
-	w, err := New(Config{Pool: db.Pool, Schema: "baton_custom", Handler: handler})
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), Schema: "baton_custom", Handler: handler})
 	require.NoError(t, err)
 	err = w.Run(ctx)
 	require.ErrorIs(t, err, ErrConfig)
@@ -36,7 +38,7 @@ func TestRunStoppedWhileStartingReturnsNil(t *testing.T) {
 	t.Parallel()
 	db, _ := storeFixture(t)
 	handler := func(context.Context, *Turn) (Reply, error) { return Reply{Content: "ok"}, nil }
-	w, err := New(Config{Pool: db.Pool, Handler: handler})
+	w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), Handler: handler})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()

@@ -122,9 +122,9 @@ FROM (SELECT id FROM conversations WHERE id = ANY($1) FOR NO KEY UPDATE SKIP LOC
 //     the next turn. A first row that alone exceeds $6 is claimed without its content
 //     (oversize), and the worker ends it as a visible failure.
 //
-// Each run records its claim order: one more than the conversation's largest (migration 13).
-// Our lock on the conversation makes the claims of a conversation one after another, and our
-// snapshot, taken after it, sees every earlier one.
+// Each run's record gets its claim order from a trigger (migration 13): one more than the
+// conversation's largest, which our lock on the conversation and our snapshot, taken after it,
+// make the largest of every earlier claim.
 //
 // For each requested conversation the statement returns whether we hold its lock, whether it
 // is busy, the rows claimed for its run with their messages, and, when its oldest pending row
@@ -160,10 +160,8 @@ WITH input AS (
         SELECT id FROM queue WHERE NOT blocked AND (n = 1 OR bytes <= $6))
     RETURNING o.id, o.conversation_id, o.attempts, o.message_id, conv.run_id, o.trace_context
 ), run AS (
-    INSERT INTO agent_runs (run_id, conversation_id, outbox_ids, worker, claim_order)
-    SELECT run_id, conversation_id, array_agg(id ORDER BY id), $4,
-           coalesce((SELECT max(r.claim_order) FROM agent_runs r WHERE r.conversation_id = claimed.conversation_id), 0) + 1
-    FROM claimed
+    INSERT INTO agent_runs (run_id, conversation_id, outbox_ids, worker)
+    SELECT run_id, conversation_id, array_agg(id ORDER BY id), $4 FROM claimed
     GROUP BY run_id, conversation_id
 )
 SELECT i.conversation_id, conv.id IS NOT NULL, i.conversation_id IN (SELECT conversation_id FROM busy),
@@ -432,13 +430,19 @@ WHERE op.id = ANY($1) AND op.id = e.id`
 //     claim orders, at most $3 of those that ended rows (each has at least one message to
 //     show), and their rows by primary key. A row counts for the run that ended it: a run's
 //     rows that went back to pending belong to whichever run claimed them next.
-//   - earlier: only when claimed has fewer than $3 messages, the rest from before claim order
-//     was recorded (runs claimed before migration 13 or by an earlier worker version during a
-//     rolling upgrade, rows that name no run, adopted histories), first, by created_at then id:
-//     every message of the conversation except user messages whose row is not terminal or was
-//     ended by a claim-ordered run, and replies of such runs (found by agent_outbox_reply).
+//   - earlier: the rest from before claim order was recorded (runs claimed before migration 13,
+//     finished rows that name no run, adopted histories), first, by created_at then id: every
+//     message of the conversation except user messages whose row is not terminal or was ended by
+//     a claim-ordered run, and replies of such runs (found by agent_outbox_reply). Read only
+//     when claimed has fewer than $3 messages and the conversation has such runs or rows (its
+//     first run has no claim order, or agent_outbox_unrun, which gets no new entries, holds a
+//     row of it: two index probes), and
+//     only before the conversation's first claim-ordered run started: everything from before
+//     claim order was written then (a turn of the conversation ends before the next is
+//     claimed), and what comes after, a backlog sent later above all, is never scanned.
 //
-// A turn whose run is not found (a run id of no claim) gets the earlier part only.
+// A turn whose run is not found (its conversation was deleted, and perhaps created again)
+// gets no history.
 const historiesSQL = `
 WITH turn AS (
     SELECT i.conversation_id, i.lim, i.ord, r.claim_order
@@ -470,7 +474,14 @@ WITH turn AS (
     CROSS JOIN LATERAL (SELECT count(*) AS n FROM claimed c WHERE c.ord = t.ord) c
     CROSS JOIN LATERAL (
         SELECT m.id, m.role, m.content, m.created_at FROM messages m
-        WHERE m.conversation_id = t.conversation_id AND c.n < t.lim
+        WHERE m.conversation_id = t.conversation_id AND c.n < t.lim AND t.claim_order IS NOT NULL
+          AND ((SELECT r.claim_order IS NULL FROM agent_runs r WHERE r.conversation_id = t.conversation_id
+                ORDER BY r.started_at LIMIT 1)
+               OR EXISTS (SELECT FROM agent_outbox o WHERE o.conversation_id = t.conversation_id
+                            AND o.run_id IS NULL AND o.status IN ('done', 'error')))
+          AND m.created_at < (SELECT r.started_at FROM agent_runs r
+                              WHERE r.conversation_id = t.conversation_id AND r.claim_order IS NOT NULL
+                              ORDER BY r.claim_order LIMIT 1)
           AND CASE WHEN m.role = 'user' THEN NOT EXISTS (
                        SELECT FROM agent_outbox o WHERE o.message_id = m.id
                          AND (o.status NOT IN ('done', 'error') OR EXISTS (

@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"fmt"
+	"os"
 	"regexp"
 	"strconv"
 	"strings"
@@ -475,7 +476,7 @@ func TestToolRefusedAfterTheTurnIsLost(t *testing.T) {
 	for _, lost := range []string{"recovered", "lease expired"} {
 		t.Run(lost, func(t *testing.T) {
 			db, s := storeFixture(t)
-			w, err := New(Config{Pool: db.Pool, Handler: func(context.Context, *Turn) (Reply, error) { return Reply{}, nil }})
+			w, err := New(Config{Pool: db.RolePool(t, testsvc.RoleWorker), Handler: func(context.Context, *Turn) (Reply, error) { return Reply{}, nil }})
 			require.NoError(t, err)
 			w.store = s
 			send(t, db, "c", "m1")
@@ -564,10 +565,9 @@ func TestRecordManyOperations(t *testing.T) {
 }
 
 // Turns read their histories in one statement, each its own turn's; a read Postgres refuses
-// fails alone. Turns claimed without a claim order (before migration 13, or by a worker of an
-// earlier version during a rolling upgrade) and messages that were never turns (an adopted
-// history) come first, by created_at; then the claim-ordered turns, each message followed by
-// its reply. Pending messages and the turn's own are never history.
+// fails alone. Turns claimed without a claim order (before migration 13) and messages that were
+// never turns (an adopted history) come first, by created_at; then the claim-ordered turns,
+// each message followed by its reply. Pending messages and the turn's own are never history.
 func TestHistoryMany(t *testing.T) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
@@ -606,10 +606,14 @@ func TestHistoryMany(t *testing.T) {
 	send(t, db, "b", "b1")
 	turn("b", false)
 	send(t, db, "b", "b2")
-	turn("b", true) // a worker of an earlier version, after a new one
+	turn("b", false)
 	send(t, db, "b", "b3")
 	runB := "00000000-0000-4000-8000-000000000200"
 	claimOne(t, s, "b", runB)
+	// The claims record no claim order (nor did workers of earlier versions): the trigger
+	// numbers them, as the worker role.
+	require.Equal(t, []string{"1", "2", "3"}, testsvc.Query[string](t, db,
+		`SELECT claim_order::text FROM agent_runs WHERE conversation_id = 'b' ORDER BY started_at`))
 
 	contents := func(msgs []Message) []string {
 		out := []string{}
@@ -619,12 +623,13 @@ func TestHistoryMany(t *testing.T) {
 		return out
 	}
 	a := []string{"assistant:hello", "user:hi a1", "user:hi a2", "assistant:re: a1", "user:hi a3", "assistant:re: a3"}
-	b := []string{"user:hi b2", "assistant:re: b2", "user:hi b1", "assistant:re: b1"}
+	b := []string{"user:hi b1", "assistant:re: b1", "user:hi b2", "assistant:re: b2"}
+	// A run that is not found (its conversation deleted, perhaps created again) sees nothing.
 	reqs := []historyReq{{"a", runA, 100}, {"b", runB, 100}, {"a", runA, 3}, {"a", runA, 1}, {"a", runA, 0},
 		{"b", "00000000-0000-4000-8000-000000000999", 100}}
 	got, err := s.historyMany(ctx, reqs)
 	require.NoError(t, err)
-	want := [][]string{a, b, a[3:], a[5:], {}, {"user:hi b2", "assistant:re: b2"}}
+	want := [][]string{a, b, a[3:], a[5:], {}, {}}
 	for i := range reqs {
 		require.NoError(t, got[i].err)
 		require.Equal(t, want[i], contents(got[i].msgs), "request %d", i)
@@ -644,10 +649,13 @@ func TestHistoryMany(t *testing.T) {
 // turn's claim over indexes, whatever the conversation's length, and reads no other
 // conversation. The part from before claim order was recorded is read only when the
 // claim-ordered turns do not fill the history.
-func TestHistoryReadsItsMessages(t *testing.T) {
+func TestHistoryReadsItsMessages(t *testing.T) { requireHistoryNarrow(t, 3000) }
+
+// requireHistoryNarrow checks TestHistoryReadsItsMessages's plans with conversations of turns
+// answered turns each (make test-long runs it with 200,000).
+func requireHistoryNarrow(t *testing.T, turns int) {
 	ctx := context.Background()
 	db, s := storeFixture(t)
-	const turns = 3000
 	// Conversation c: turns claim-ordered turns of one message each, answered; conversation l
 	// the same without claim order (from before migration 13); others besides.
 	_, err := db.Pool.Exec(ctx, `
@@ -666,6 +674,7 @@ func TestHistoryReadsItsMessages(t *testing.T) {
 		SELECT conv, conv || ':m' || g, 'done', md5(conv || g)::uuid, conv || ':r' || g
 		FROM generate_series(1, $1) g, unnest(ARRAY['c', 'l']) conv;
 		UPDATE agent_runs r SET outbox_ids = ARRAY[o.id] FROM agent_outbox o WHERE o.run_id = r.run_id;
+		UPDATE agent_runs SET claim_order = NULL WHERE conversation_id = 'l'; -- the trigger numbered them
 		INSERT INTO agent_outbox (conversation_id, message_id, status) SELECT 'o' || g, 'o' || g, 'done' FROM generate_series(1, 1000) g;
 		ANALYZE`, pgx.QueryExecModeSimpleProtocol, turns)
 	require.NoError(t, err)
@@ -674,24 +683,55 @@ func TestHistoryReadsItsMessages(t *testing.T) {
 	runC, runL := "00000000-0000-4000-8000-00000000000c", "00000000-0000-4000-8000-00000000000d"
 	claimOne(t, s, "c", runC)
 	claimOne(t, s, "l", runL)
+	// Conversation n: two answered turns, then a backlog of 2,000 messages; the turn claims the
+	// first 100. Its history (4 messages) costs them, not the backlog.
+	_, err = db.Pool.Exec(ctx, `INSERT INTO conversations (id) VALUES ('n')`)
+	require.NoError(t, err)
+	for i, id := range []string{"n1", "n2"} {
+		send(t, db, "n", id)
+		run := fmt.Sprintf("00000000-0000-4000-8000-%012d", 0xe0+i)
+		c := claimOne(t, s, "n", run)
+		require.NoError(t, s.finishOne(ctx, finishReq{conversationID: "n", runID: run, ids: c.ids,
+			outcome: outcome{role: "assistant", content: "re: " + id}}))
+	}
+	_, err = db.Pool.Exec(ctx, `
+		WITH m AS (INSERT INTO messages (id, conversation_id, role, content)
+		           SELECT 'n:p' || g, 'n', 'user', 'x' FROM generate_series(1, 2000) g RETURNING id)
+		INSERT INTO agent_outbox (conversation_id, message_id) SELECT 'n', id FROM m ORDER BY id`)
+	require.NoError(t, err)
+	runN := "00000000-0000-4000-8000-00000000000e"
+	require.Len(t, claimOne(t, s, "n", runN).ids, 100)
 
 	readRows := regexp.MustCompile(`(?:actual rows=|Rows Removed by Filter: )(\d+)`)
-	for _, tc := range []struct{ conv, run string }{{"c", runC}, {"l", runL}} {
-		tx, err := db.Pool.Begin(ctx)
-		require.NoError(t, err)
-		lines, err := explainPrepared(ctx, tx, `text[], uuid[], int[], int[]`, historiesSQL,
-			fmt.Sprintf(`'{%s}', '{%s}', '{10}', '{0}'`, tc.conv, tc.run))
-		require.NoError(t, tx.Rollback(ctx))
-		require.NoError(t, err)
-		plan := strings.Join(lines, "\n")
-		require.NotContains(t, plan, "Seq Scan", plan)
-		for _, m := range readRows.FindAllStringSubmatch(plan, -1) {
-			n, _ := strconv.Atoi(m[1])
-			require.LessOrEqual(t, n, 40, "history of %s reads more than its messages:\n%s", tc.conv, plan)
+	for _, tc := range []struct{ conv, run, last string }{
+		{"c", runC, fmt.Sprintf("c:r%d", turns)}, {"l", runL, fmt.Sprintf("l:r%d", turns)}, {"n", runN, ""},
+	} {
+		for _, generic := range []string{"auto", "force_generic_plan"} {
+			tx, err := db.Pool.Begin(ctx)
+			require.NoError(t, err)
+			_, err = tx.Exec(ctx, `SELECT set_config('plan_cache_mode', $1, true)`, generic)
+			require.NoError(t, err)
+			lines, err := explainPrepared(ctx, tx, `text[], uuid[], int[], int[]`, historiesSQL,
+				fmt.Sprintf(`'{%s}', '{%s}', '{10}', '{0}'`, tc.conv, tc.run))
+			require.NoError(t, tx.Rollback(ctx))
+			require.NoError(t, err)
+			plan := strings.Join(lines, "\n")
+			require.NotContains(t, plan, "Seq Scan", plan)
+			if os.Getenv("BATON_TEST_PLANS") != "" {
+				t.Logf("%s %s:\n%s", tc.conv, generic, plan)
+			}
+			for _, m := range readRows.FindAllStringSubmatch(plan, -1) {
+				n, _ := strconv.Atoi(m[1])
+				require.LessOrEqual(t, n, 40, "history of %s (%s) reads more than its messages:\n%s", tc.conv, generic, plan)
+			}
 		}
 		h, err := s.history(ctx, historyReq{tc.conv, tc.run, 10})
 		require.NoError(t, err)
+		if tc.conv == "n" {
+			require.Len(t, h, 4)
+			continue
+		}
 		require.Len(t, h, 10)
-		require.Equal(t, fmt.Sprintf("%s:r%d", tc.conv, turns), h[9].ID)
+		require.Equal(t, tc.last, h[9].ID)
 	}
 }

@@ -217,6 +217,7 @@ BEGIN
     ALTER TABLE baton_relay_slots OWNER TO baton_migrator;
     ALTER TABLE baton_schema_migrations OWNER TO baton_migrator;
     ALTER FUNCTION baton_fence(boolean, text) OWNER TO baton_migrator;
+    ALTER FUNCTION baton_claim_order() OWNER TO baton_migrator;
     -- The publication and the shard publications <publication>_<K> (baton migrate --shards).
     FOR p IN SELECT pubname FROM pg_publication
              WHERE pubname = pub OR (left(pubname, length(pub) + 1) = pub || '_'
@@ -257,7 +258,7 @@ BEGIN
     GRANT SELECT, INSERT (run_id, conversation_id, tool, effect, input),
           UPDATE (message_id, status, output, error, finished_at)
         ON operations TO baton_worker;
-    GRANT SELECT, INSERT (run_id, conversation_id, outbox_ids, worker, claim_order),
+    GRANT SELECT, INSERT (run_id, conversation_id, outbox_ids, worker),
           UPDATE (finished_at, outcome, error)
         ON agent_runs TO baton_worker;
     GRANT EXECUTE ON FUNCTION baton_fence(boolean, text) TO baton_worker;
