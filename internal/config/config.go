@@ -13,6 +13,7 @@
 package config
 
 import (
+	"cmp"
 	"errors"
 	"flag"
 	"fmt"
@@ -49,14 +50,16 @@ const (
 	EnvSchema          = "BATON_SCHEMA"
 	EnvMetricsAddr     = "BATON_METRICS_ADDR"
 	EnvPprofAddr       = "BATON_PPROF_ADDR"
-	EnvFatalLinger     = "BATON_FATAL_LINGER"
-	EnvLogLevel        = "BATON_LOG_LEVEL"
-	EnvLogFormat       = "BATON_LOG_FORMAT"
-	EnvStreamReplicas  = "BATON_STREAM_REPLICAS"
-	EnvStreamMaxAge    = "BATON_STREAM_MAX_AGE"
-	EnvStreamMaxBytes  = "BATON_STREAM_MAX_BYTES"
-	EnvStreamMaxMsgs   = "BATON_STREAM_MAX_MSGS"
-	EnvStreamDuplicate = "BATON_STREAM_DUPLICATES"
+	// EnvPprofAllowRemote lets BATON_PPROF_ADDR be an address other than loopback.
+	EnvPprofAllowRemote = "BATON_PPROF_ALLOW_REMOTE"
+	EnvFatalLinger      = "BATON_FATAL_LINGER"
+	EnvLogLevel         = "BATON_LOG_LEVEL"
+	EnvLogFormat        = "BATON_LOG_FORMAT"
+	EnvStreamReplicas   = "BATON_STREAM_REPLICAS"
+	EnvStreamMaxAge     = "BATON_STREAM_MAX_AGE"
+	EnvStreamMaxBytes   = "BATON_STREAM_MAX_BYTES"
+	EnvStreamMaxMsgs    = "BATON_STREAM_MAX_MSGS"
+	EnvStreamDuplicate  = "BATON_STREAM_DUPLICATES"
 )
 
 // DefaultFatalLinger is FatalLinger's default, as a duration.
@@ -114,6 +117,10 @@ type Config struct {
 	// /debug/pprof/, apart from the metrics so that it is never exposed with them. Profiles show
 	// code paths and memory contents: keep it on loopback. Default: empty (off).
 	PprofAddr string `env:"BATON_PPROF_ADDR"`
+	// PprofAllowRemote ("true" or "false") lets PprofAddr be an address other than loopback
+	// (Validate refuses one otherwise): profiles show code paths and memory contents, secrets
+	// among them. Default: "false".
+	PprofAllowRemote string `env:"BATON_PPROF_ALLOW_REMOTE" envDefault:"false"`
 	// FatalLinger is how long a command that stopped on an error no retry can fix keeps
 	// serving /metrics, /healthz and /readyz (not ready) on MetricsAddr before it exits, so
 	// that scrapes and probes see why: a Go duration (30s, 2m), 0 to exit at once. Without a
@@ -164,6 +171,9 @@ type variable struct {
 	field func(*Config) *string
 }
 
+// booleans are the variables whose flags may be given alone (--pprof-allow-remote), as "true".
+var booleans = map[string]bool{EnvPprofAllowRemote: true}
+
 var variables = []variable{
 	{EnvDatabaseURL, "PostgreSQL `url` (postgres://... or key=value)", func(c *Config) *string { return &c.DatabaseURL }},
 	{EnvDatabaseURLFile, "`file` holding the PostgreSQL url, instead of --database-url", func(c *Config) *string { return &c.DatabaseURLFile }},
@@ -179,7 +189,9 @@ var variables = []variable{
 	{EnvPublication, "publication `name` (default baton)", func(c *Config) *string { return &c.Publication }},
 	{EnvSchema, "Postgres `schema` of Baton's tables (default public)", func(c *Config) *string { return &c.Schema }},
 	{EnvMetricsAddr, "metrics listen `addr`ess host:port (default off)", func(c *Config) *string { return &c.MetricsAddr }},
-	{EnvPprofAddr, "Go profiles (/debug/pprof/) listen `addr`ess host:port, keep it on loopback (default off)", func(c *Config) *string { return &c.PprofAddr }},
+	{EnvPprofAddr, "Go profiles (/debug/pprof/) listen `addr`ess host:port, on loopback unless --pprof-allow-remote (default off)", func(c *Config) *string { return &c.PprofAddr }},
+	{EnvPprofAllowRemote, "let --pprof-addr listen on an address other than loopback: profiles show memory contents (default false)",
+		func(c *Config) *string { return &c.PprofAllowRemote }},
 	{EnvFatalLinger, "after an error no retry can fix, keep serving metrics and health (not ready) for this `duration` before exiting; 0 exits at once (default 2m)",
 		func(c *Config) *string { return &c.FatalLinger }},
 	{EnvLogLevel, "log `level`: debug, info, warn, error (default info)", func(c *Config) *string { return &c.LogLevel }},
@@ -214,6 +226,7 @@ var aliases = map[string]string{
 var companions = map[string][]string{
 	EnvDatabaseURL: {EnvDatabaseURLFile},
 	EnvNATSURL:     {EnvNATSURLFile, EnvNATSCreds, EnvNATSNKey, EnvNATSCA, EnvNATSCert, EnvNATSKey},
+	EnvPprofAddr:   {EnvPprofAllowRemote},
 }
 
 // FlagName returns the flag that overrides a variable: BATON_DATABASE_URL → database-url.
@@ -269,7 +282,7 @@ func (c *Config) BindFlags(fs *flag.FlagSet, envNames ...string) {
 		}
 		b := &boundFlag{name: FlagName(name)}
 		c.flags[name] = b
-		fs.Var(flagValue{p: v.field(c), bound: b, name: b.name}, b.name, v.usage+" [env "+name+"]")
+		fs.Var(flagValue{p: v.field(c), bound: b, name: b.name, boolean: booleans[name]}, b.name, v.usage+" [env "+name+"]")
 		if alias := aliases[name]; alias != "" {
 			fs.Var(flagValue{p: v.field(c), bound: b, name: alias}, alias, "the older name of --"+b.name)
 		}
@@ -280,12 +293,16 @@ func (c *Config) BindFlags(fs *flag.FlagSet, envNames ...string) {
 // flag.PrintDefaults shows no default: the default comes from the environment and may
 // hold a password.
 type flagValue struct {
-	p     *string
-	bound *boundFlag
-	name  string // the flag's name: the variable's, or an alias
+	p       *string
+	bound   *boundFlag
+	name    string // the flag's name: the variable's, or an alias
+	boolean bool   // see booleans
 }
 
 func (f flagValue) String() string { return "" }
+
+// IsBoolFlag lets the flag package take a boolean variable's flag alone, as "true".
+func (f flagValue) IsBoolFlag() bool { return f.boolean }
 
 func (f flagValue) Set(s string) error {
 	*f.p = s
@@ -389,9 +406,17 @@ func (c Config) Validate() error {
 			bad(EnvMetricsAddr, "%v (got %q)", err, c.MetricsAddr)
 		}
 	}
+	allowRemote, err := strconv.ParseBool(cmp.Or(c.PprofAllowRemote, "false"))
+	if err != nil {
+		bad(EnvPprofAllowRemote, "must be true or false (got %q)", c.PprofAllowRemote)
+	}
 	if c.PprofAddr != "" {
 		if err := checkListenAddr(c.PprofAddr); err != nil {
 			bad(EnvPprofAddr, "%v (got %q)", err, c.PprofAddr)
+		} else if host, _, _ := net.SplitHostPort(c.PprofAddr); !allowRemote && !isLoopback(host) {
+			bad(EnvPprofAddr, "%q is not a loopback address, and Go's profiles show memory contents (secrets among them) "+
+				"to whoever reaches it: listen on 127.0.0.1, or set %s=true (--%s) if a firewall guards the port",
+				c.PprofAddr, EnvPprofAllowRemote, FlagName(EnvPprofAllowRemote))
 		}
 	}
 	if d, err := time.ParseDuration(c.FatalLinger); err != nil {
@@ -565,6 +590,16 @@ func checkNATSURL(s string) error {
 	return nil
 }
 
+// isLoopback reports whether a listen address's host is a loopback name or address; "" (all
+// interfaces) is not.
+func isLoopback(host string) bool {
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(strings.Trim(host, "[]"))
+	return ip != nil && ip.IsLoopback()
+}
+
 func checkListenAddr(s string) error {
 	_, port, err := net.SplitHostPort(s)
 	if err != nil {
@@ -627,6 +662,7 @@ func (c Config) LogValue() slog.Value {
 		slog.String("schema", c.Schema),
 		slog.String("metrics_addr", c.MetricsAddr),
 		slog.String("pprof_addr", c.PprofAddr),
+		slog.String("pprof_allow_remote", c.PprofAllowRemote),
 		slog.String("fatal_linger", c.FatalLinger),
 		slog.String("log_level", c.LogLevel),
 		slog.String("log_format", c.LogFormat),
@@ -640,14 +676,14 @@ func (c Config) LogValue() slog.Value {
 
 // String formats the configuration with passwords redacted, for %v, %+v and %s.
 func (c Config) String() string {
-	return fmt.Sprintf("{DatabaseURL:%s DatabaseURLFile:%s NATSURL:%s NATSURLFile:%s NATSCreds:%s NATSNKey:%s NATSCA:%s NATSCert:%s NATSKey:%s SubjectPrefix:%s Slot:%s Publication:%s Schema:%s MetricsAddr:%s PprofAddr:%s FatalLinger:%s LogLevel:%s LogFormat:%s StreamReplicas:%s StreamMaxAge:%s StreamMaxBytes:%s StreamMaxMsgs:%s StreamDuplicates:%s}",
-		Redact(c.DatabaseURL), c.DatabaseURLFile, Redact(c.NATSURL), c.NATSURLFile, c.NATSCreds, c.NATSNKey, c.NATSCA, c.NATSCert, c.NATSKey, c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat,
+	return fmt.Sprintf("{DatabaseURL:%s DatabaseURLFile:%s NATSURL:%s NATSURLFile:%s NATSCreds:%s NATSNKey:%s NATSCA:%s NATSCert:%s NATSKey:%s SubjectPrefix:%s Slot:%s Publication:%s Schema:%s MetricsAddr:%s PprofAddr:%s PprofAllowRemote:%s FatalLinger:%s LogLevel:%s LogFormat:%s StreamReplicas:%s StreamMaxAge:%s StreamMaxBytes:%s StreamMaxMsgs:%s StreamDuplicates:%s}",
+		Redact(c.DatabaseURL), c.DatabaseURLFile, Redact(c.NATSURL), c.NATSURLFile, c.NATSCreds, c.NATSNKey, c.NATSCA, c.NATSCert, c.NATSKey, c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.PprofAllowRemote, c.FatalLinger, c.LogLevel, c.LogFormat,
 		c.StreamReplicas, c.StreamMaxAge, c.StreamMaxBytes, c.StreamMaxMsgs, c.StreamDuplicates)
 }
 
 // GoString formats the configuration with passwords redacted, for %#v.
 func (c Config) GoString() string {
-	return fmt.Sprintf("config.Config{DatabaseURL:%q, DatabaseURLFile:%q, NATSURL:%q, NATSURLFile:%q, NATSCreds:%q, NATSNKey:%q, NATSCA:%q, NATSCert:%q, NATSKey:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, Schema:%q, MetricsAddr:%q, PprofAddr:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q, StreamReplicas:%q, StreamMaxAge:%q, StreamMaxBytes:%q, StreamMaxMsgs:%q, StreamDuplicates:%q}",
-		Redact(c.DatabaseURL), c.DatabaseURLFile, Redact(c.NATSURL), c.NATSURLFile, c.NATSCreds, c.NATSNKey, c.NATSCA, c.NATSCert, c.NATSKey, c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.FatalLinger, c.LogLevel, c.LogFormat,
+	return fmt.Sprintf("config.Config{DatabaseURL:%q, DatabaseURLFile:%q, NATSURL:%q, NATSURLFile:%q, NATSCreds:%q, NATSNKey:%q, NATSCA:%q, NATSCert:%q, NATSKey:%q, SubjectPrefix:%q, Slot:%q, Publication:%q, Schema:%q, MetricsAddr:%q, PprofAddr:%q, PprofAllowRemote:%q, FatalLinger:%q, LogLevel:%q, LogFormat:%q, StreamReplicas:%q, StreamMaxAge:%q, StreamMaxBytes:%q, StreamMaxMsgs:%q, StreamDuplicates:%q}",
+		Redact(c.DatabaseURL), c.DatabaseURLFile, Redact(c.NATSURL), c.NATSURLFile, c.NATSCreds, c.NATSNKey, c.NATSCA, c.NATSCert, c.NATSKey, c.SubjectPrefix, c.Slot, c.Publication, c.Schema, c.MetricsAddr, c.PprofAddr, c.PprofAllowRemote, c.FatalLinger, c.LogLevel, c.LogFormat,
 		c.StreamReplicas, c.StreamMaxAge, c.StreamMaxBytes, c.StreamMaxMsgs, c.StreamDuplicates)
 }

@@ -24,7 +24,7 @@ func clearEnv(t *testing.T) {
 }
 
 func defaults() Config {
-	return Config{SubjectPrefix: "agent", Slot: "baton", Publication: "baton", Schema: "public", FatalLinger: "2m", LogLevel: "info", LogFormat: "text",
+	return Config{SubjectPrefix: "agent", Slot: "baton", Publication: "baton", Schema: "public", PprofAllowRemote: "false", FatalLinger: "2m", LogLevel: "info", LogFormat: "text",
 		StreamReplicas: "1", StreamMaxAge: "168h", StreamMaxBytes: "1GiB", StreamMaxMsgs: "1000000", StreamDuplicates: "2m"}
 }
 
@@ -206,6 +206,47 @@ func TestFlagsOverrideEnvironment(t *testing.T) {
 	require.Contains(t, usage.String(), "-database-url url")
 	require.Contains(t, usage.String(), "[env BATON_DATABASE_URL]")
 	require.NotContains(t, usage.String(), "envpass", "usage must not show a password from the environment")
+}
+
+// Go's profiles show memory contents, secrets among them: the pprof listener stays on loopback
+// unless BATON_PPROF_ALLOW_REMOTE (or --pprof-allow-remote, alone) says otherwise, as the console
+// refuses a non-loopback address without auth.
+func TestPprofAddrStaysOnLoopback(t *testing.T) {
+	for _, tc := range []struct {
+		addr, allow string
+		args        []string
+		err         string
+	}{
+		{addr: "127.0.0.1:6060"},
+		{addr: "[::1]:6060"},
+		{addr: "localhost:6060"},
+		{addr: "0.0.0.0:6060", err: `BATON_PPROF_ADDR: "0.0.0.0:6060" is not a loopback address`},
+		{addr: ":6060", err: `BATON_PPROF_ADDR: ":6060" is not a loopback address`},
+		{addr: "10.1.2.3:6060", err: "set BATON_PPROF_ALLOW_REMOTE=true (--pprof-allow-remote)"},
+		{addr: "0.0.0.0:6060", allow: "true"},
+		{addr: "0.0.0.0:6060", args: []string{"--pprof-allow-remote"}},
+		{addr: "0.0.0.0:6060", allow: "true", args: []string{"--pprof-allow-remote=false"}, err: "is not a loopback address"},
+		{addr: "127.0.0.1:6060", allow: "yes please", err: `BATON_PPROF_ALLOW_REMOTE: must be true or false (got "yes please")`},
+	} {
+		t.Run(tc.addr+" "+tc.allow+" "+strings.Join(tc.args, " "), func(t *testing.T) {
+			clearEnv(t)
+			t.Setenv(EnvPprofAddr, tc.addr)
+			if tc.allow != "" {
+				t.Setenv(EnvPprofAllowRemote, tc.allow)
+			}
+			c, err := FromEnv()
+			require.NoError(t, err)
+			fs := flag.NewFlagSet("test", flag.ContinueOnError)
+			c.BindFlags(fs, EnvPprofAddr)
+			require.NoError(t, fs.Parse(tc.args))
+			err = c.Validate()
+			if tc.err == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tc.err)
+		})
+	}
 }
 
 func TestErrorsNameTheFlagThatSetTheValue(t *testing.T) {

@@ -94,9 +94,16 @@ func ServePprof(ctx context.Context, addr string) error {
 	if err != nil {
 		return fmt.Errorf("pprof listener: %w", err)
 	}
+	return servePprof(ctx, ln)
+}
+
+// servePprof serves the profiles on ln, which it closes, until ctx ends.
+func servePprof(ctx context.Context, ln net.Listener) error {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
-	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	// Not the command line: flags may hold secrets (--database-url with a password), which
+	// the logs mask and pprof.Cmdline would print in clear.
+	mux.HandleFunc("/debug/pprof/cmdline", http.NotFound)
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
