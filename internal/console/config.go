@@ -5,13 +5,14 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"os"
 	"strings"
 	"time"
 
 	"github.com/caarlos0/env/v11"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
+
+	"github.com/batonhq/baton/natsconn"
 )
 
 // Names of the console's own environment variables; the database, NATS and schema settings are
@@ -85,17 +86,14 @@ var ErrInsecure = errors.New("refusing to serve the console on a non-loopback ad
 // neither, and a non-loopback Addr needs auth (ErrInsecure). Its errors never hold the password.
 func (s *Settings) Resolve() error {
 	if s.PasswordFile != "" {
-		if s.Password != "" {
-			return fmt.Errorf("set %s or %s, not both", EnvPassword, EnvPasswordFile)
-		}
-		b, err := os.ReadFile(s.PasswordFile)
+		// Read like every *_FILE setting: at most 1 MiB (a device such as /dev/zero, or a
+		// large file named by mistake, fails instead of filling memory), one trailing newline
+		// dropped, errors naming the variable and the path, never the contents.
+		pw, err := natsconn.ValueOrFile(EnvPassword, s.Password, EnvPasswordFile, s.PasswordFile)
 		if err != nil {
-			return fmt.Errorf("%s: %w", EnvPasswordFile, err)
+			return err
 		}
-		s.Password = strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r")
-		if s.Password == "" {
-			return fmt.Errorf("%s: the file %s is empty", EnvPasswordFile, s.PasswordFile)
-		}
+		s.Password = pw
 	}
 	if (s.User == "") != (s.Password == "") {
 		return fmt.Errorf("basic auth needs both %s and %s (or %s)", EnvUser, EnvPassword, EnvPasswordFile)

@@ -353,6 +353,9 @@ func TestSettings(t *testing.T) {
 	t.Parallel()
 	file := filepath.Join(t.TempDir(), "pw")
 	require.NoError(t, os.WriteFile(file, []byte("from-file\n"), 0o600))
+	empty, huge := filepath.Join(t.TempDir(), "empty"), filepath.Join(t.TempDir(), "huge")
+	require.NoError(t, os.WriteFile(empty, nil, 0o600))
+	require.NoError(t, os.WriteFile(huge, []byte(strings.Repeat("from-file", 2<<20/9)), 0o600))
 	s := Settings{Addr: "0.0.0.0:8080", User: "ops", PasswordFile: file}
 	require.NoError(t, s.Resolve())
 	require.Equal(t, "from-file", s.Password)
@@ -367,10 +370,14 @@ func TestSettings(t *testing.T) {
 		require.ErrorIs(t, s.Resolve(), ErrInsecure, addr)
 	}
 	for name, s := range map[string]Settings{
-		"user only":         {Addr: "127.0.0.1:1", User: "ops"},
-		"password only":     {Addr: "127.0.0.1:1", Password: "x"},
-		"both passwords":    {Addr: "127.0.0.1:1", User: "ops", Password: "x", PasswordFile: file},
-		"missing file":      {Addr: "127.0.0.1:1", User: "ops", PasswordFile: file + ".missing"},
+		"user only":      {Addr: "127.0.0.1:1", User: "ops"},
+		"password only":  {Addr: "127.0.0.1:1", Password: "x"},
+		"both passwords": {Addr: "127.0.0.1:1", User: "ops", Password: "x", PasswordFile: file},
+		"missing file":   {Addr: "127.0.0.1:1", User: "ops", PasswordFile: file + ".missing"},
+		"empty file":     {Addr: "127.0.0.1:1", User: "ops", PasswordFile: empty},
+		// Read without a bound, a 2 MiB file became the password (and /dev/zero would fill memory;
+		// the same 1 MiB bound stops it, as natsconn's tests show).
+		"file over 1 MiB":   {Addr: "127.0.0.1:1", User: "ops", PasswordFile: huge},
 		"not host:port":     {Addr: "8080"},
 		"colon in the user": {Addr: "127.0.0.1:1", User: "a:b", Password: "x"},
 	} {
