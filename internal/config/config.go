@@ -156,6 +156,10 @@ type Config struct {
 	// flags maps a variable to the flag bound to it by BindFlags, so errors name what the
 	// user actually set.
 	flags map[string]*boundFlag
+	// fromFile maps a variable whose value Resolve read from a file to that file, as errors
+	// name it ("BATON_DATABASE_URL_FILE (/run/secrets/db)"): errors about a file's contents
+	// name the file and never quote what it holds.
+	fromFile map[string]string
 }
 
 type boundFlag struct {
@@ -351,6 +355,18 @@ func (c *Config) Resolve() error {
 			errs = append(errs, err)
 			continue
 		}
+		if file != "" {
+			src := fmt.Sprintf("%s (%s)", c.Source(p.fileEnv), file)
+			if strings.ContainsAny(v, "\r\n") {
+				// A second line is most likely another secret (password=...): never echoed.
+				errs = append(errs, fmt.Errorf("%s: holds more than one line; it must hold the URL alone (contents not shown)", src))
+				continue
+			}
+			if c.fromFile == nil {
+				c.fromFile = map[string]string{}
+			}
+			c.fromFile[p.env] = src
+		}
 		*p.value, *p.file = v, "" // read: resolving again keeps the value
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -373,15 +389,19 @@ func (c Config) NATS() natsconn.Settings {
 func (c Config) Validate() error {
 	var errs []error
 	bad := func(envName, format string, args ...any) {
-		errs = append(errs, fmt.Errorf("%s: "+format, append([]any{c.Source(envName)}, args...)...))
+		src := c.Source(envName)
+		if f, ok := c.fromFile[envName]; ok {
+			src = f
+		}
+		errs = append(errs, fmt.Errorf("%s: "+format, append([]any{src}, args...)...))
 	}
 	if c.DatabaseURL != "" {
-		if err := checkDatabaseURL(c.DatabaseURL); err != nil {
+		if err := checkDatabaseURL(c.DatabaseURL, c.fromFile[EnvDatabaseURL] == ""); err != nil {
 			bad(EnvDatabaseURL, "%v", err)
 		}
 	}
 	if c.NATSURL != "" {
-		if err := checkNATSURL(c.NATSURL); err != nil {
+		if err := checkNATSURL(c.NATSURL, c.fromFile[EnvNATSURL] == ""); err != nil {
 			bad(EnvNATSURL, "%v", err)
 		}
 	} else if c.NATS().Secure() {
@@ -546,14 +566,16 @@ func (c Config) Require(envNames ...string) error {
 
 // checkDatabaseURL checks the shape of a PostgreSQL connection string. Its errors never
 // quote the value, which may hold a password.
-func checkDatabaseURL(s string) error {
+// checkDatabaseURL checks a PostgreSQL URL or key=value string; its errors show the value
+// (redacted) only when echo is set: never for a value read from a file.
+func checkDatabaseURL(s string, echo bool) error {
 	if scheme, _, ok := strings.Cut(s, "://"); ok {
 		if scheme != "postgres" && scheme != "postgresql" {
 			return errors.New("URL must start with postgres:// or postgresql://")
 		}
 		if _, err := url.Parse(s); err != nil {
 			// url.Error quotes the URL: do not wrap it.
-			return fmt.Errorf("not a valid URL: %s", Redact(s))
+			return fmt.Errorf("not a valid URL%s", shown(s, echo))
 		}
 		return nil
 	}
@@ -563,11 +585,19 @@ func checkDatabaseURL(s string) error {
 	return nil
 }
 
+// shown is ": " and the value, redacted, for an error message; "" when it must not be echoed.
+func shown(s string, echo bool) string {
+	if !echo {
+		return " (contents not shown)"
+	}
+	return ": " + Redact(s)
+}
+
 var natsSchemes = map[string]bool{"nats": true, "tls": true, "ws": true, "wss": true}
 
 // checkNATSURL checks a comma-separated list of NATS server URLs. A URL without a scheme
 // is taken as nats://, as the NATS client does.
-func checkNATSURL(s string) error {
+func checkNATSURL(s string, echo bool) error {
 	for _, raw := range strings.Split(s, ",") {
 		raw = strings.TrimSpace(raw)
 		if raw == "" {
@@ -578,13 +608,13 @@ func checkNATSURL(s string) error {
 		}
 		u, err := url.Parse(raw)
 		if err != nil {
-			return fmt.Errorf("not a valid URL: %s", Redact(raw))
+			return fmt.Errorf("not a valid URL%s", shown(raw, echo))
 		}
 		if !natsSchemes[u.Scheme] {
 			return fmt.Errorf("scheme must be nats, tls, ws or wss (got %q)", u.Scheme)
 		}
 		if u.Hostname() == "" {
-			return fmt.Errorf("URL has no host: %s", Redact(raw))
+			return fmt.Errorf("URL has no host%s", shown(raw, echo))
 		}
 	}
 	return nil

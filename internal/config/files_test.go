@@ -33,9 +33,11 @@ func TestURLsFromFiles(t *testing.T) {
 		require.NotContains(t, s, "s3cret")
 	}
 
-	t.Setenv(EnvNATSURLFile, writeFile(t, "bad", "http://n1:4222\n"))
+	bad := writeFile(t, "bad", "http://n1:4222\n")
+	t.Setenv(EnvNATSURLFile, bad)
 	_, err = Load()
-	require.ErrorContains(t, err, EnvNATSURL+": scheme must be", "a URL from a file is validated like one from the variable")
+	require.ErrorContains(t, err, EnvNATSURLFile+" ("+bad+"): scheme must be",
+		"a URL from a file is validated like one from the variable, and the error names the file")
 }
 
 // A URL and its file both set, or a file that cannot be read, stop Load with an error naming
@@ -43,6 +45,11 @@ func TestURLsFromFiles(t *testing.T) {
 func TestURLFileErrors(t *testing.T) {
 	secret := writeFile(t, "db", "postgres://baton:db-s3cret@db:5432/baton")
 	missing := filepath.Join(t.TempDir(), "missing")
+	// Was: the second line reached the error ("not a valid URL: ...password=s3cret"), which
+	// named BATON_DATABASE_URL, not the file.
+	twoLines := writeFile(t, "two", "postgres://baton@db/baton\npassword=s3cret\n")
+	badURL := writeFile(t, "badurl", "postgres://baton:db-s3cret@db:port/baton\n")
+	badNATS := writeFile(t, "badnats", "nats://baton:s3cret@:4222\n")
 	for _, tc := range []struct {
 		name string
 		env  map[string]string
@@ -54,6 +61,12 @@ func TestURLFileErrors(t *testing.T) {
 			[]string{"BATON_NATS_URL and BATON_NATS_URL_FILE are both set"}},
 		{"missing", map[string]string{EnvDatabaseURLFile: missing}, []string{EnvDatabaseURLFile, missing, "no such file"}},
 		{"a directory", map[string]string{EnvNATSURLFile: filepath.Dir(missing)}, []string{EnvNATSURLFile, filepath.Dir(missing)}},
+		{"two lines", map[string]string{EnvDatabaseURLFile: twoLines},
+			[]string{EnvDatabaseURLFile + " (" + twoLines + "): holds more than one line"}},
+		{"an invalid database URL", map[string]string{EnvDatabaseURLFile: badURL},
+			[]string{EnvDatabaseURLFile + " (" + badURL + "): not a valid URL (contents not shown)"}},
+		{"a NATS URL without host", map[string]string{EnvNATSURLFile: badNATS},
+			[]string{EnvNATSURLFile + " (" + badNATS + "): URL has no host (contents not shown)"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) { requireLoadRefused(t, tc.env, tc.want, "s3cret") })
 	}
