@@ -1,12 +1,14 @@
 package console
 
 import (
+	"context"
 	"encoding/json"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/internal/testsvc"
@@ -47,4 +49,36 @@ func TestConsoleRole(t *testing.T) {
 	require.Empty(t, st.Console.SeriesError)
 	require.Len(t, st.Console.Workers, 1)
 	require.False(t, strings.Contains(string(body), "permission denied"), string(body))
+}
+
+// Was: /api/status answered what Postgres said ("permission denied for table agent_runs
+// (SQLSTATE 42501)"), where the message view answers "internal error (see the console's log)".
+// With the console role's reads of the outbox and the runs revoked, the report says which part
+// failed, and nothing of what Postgres said.
+func TestStatusHidesDatabaseErrors(t *testing.T) {
+	t.Parallel()
+	e := &testEnv{db: testsvc.NewDatabase(t)}
+	e.db.AllowPrivilegeErrors() // the refusals are the test
+	role := pgx.Identifier{e.db.RoleName(testsvc.RoleConsole)}.Sanitize()
+	_, err := e.db.Pool.Exec(context.Background(), "REVOKE ALL ON agent_outbox, agent_runs FROM "+role)
+	require.NoError(t, err)
+	serve(t, e, Config{Pool: e.db.RolePool(t, testsvc.RoleConsole), PollInterval: 20 * time.Millisecond})
+
+	code, body := e.do(t, http.MethodGet, "/api/status", nil)
+	require.Equal(t, http.StatusOK, code)
+	var st struct {
+		Outbox struct {
+			Error string `json:"error"`
+		} `json:"outbox"`
+		Console struct {
+			WorkerError string `json:"worker_error"`
+			SeriesError string `json:"series_error"`
+		} `json:"console"`
+	}
+	require.NoError(t, json.Unmarshal(body, &st), string(body))
+	require.Equal(t, "internal error (see the console's log)", st.Outbox.Error, string(body))
+	require.Equal(t, "internal error (see the console's log)", st.Console.WorkerError, string(body))
+	for _, raw := range []string{"permission denied", "SQLSTATE", "42501", "agent_runs"} {
+		require.NotContains(t, string(body), raw)
+	}
 }

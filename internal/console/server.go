@@ -345,7 +345,7 @@ func (s *Server) internalError(w http.ResponseWriter, r *http.Request, err error
 		return // the client left or the server stops
 	}
 	s.log.Error("console request failed", "method", r.Method, "path", r.URL.Path, "error", err)
-	writeError(w, http.StatusInternalServerError, "internal error (see the console's log)")
+	writeError(w, http.StatusInternalServerError, internalError)
 }
 
 // checkID validates an id from a path or body as the producer would: non-empty, at most

@@ -67,6 +67,7 @@ func (s *Server) status(ctx context.Context) Status {
 		rep.Streams = statusreport.GatherStreams(ctx, js, s.cfg.NATSURL, opts)
 		st.Console.DeadLetters, st.Console.DeadLetterError = deadLetters(ctx, js, s.cfg.SubjectPrefix)
 	}
+	s.hideDatabaseErrors(rep)
 	rep.Evaluate()
 	switch {
 	case !rep.Slot.Exists:
@@ -77,19 +78,52 @@ func (s *Server) status(ctx context.Context) Status {
 		st.Console.RelayState = "standby"
 	}
 	if ws, err := readWorkers(ctx, s.cfg.Pool); err != nil {
-		st.Console.WorkerError = err.Error()
+		st.Console.WorkerError = s.hidden("workers", err.Error())
 	} else if ws != nil {
 		st.Console.Workers = ws
 	}
 	series, err := readSeries(ctx, s.cfg.Pool, chartWindow, chartBucket)
 	if err != nil {
-		st.Console.SeriesError = err.Error()
+		st.Console.SeriesError = s.hidden("series", err.Error())
 	} else if series != nil {
 		st.Console.Series = series
 	}
 	st.Console.TurnsPerSecond = lastMinuteRate(series, rep.GeneratedAt, chartBucket)
 	return st
 }
+
+// hideDatabaseErrors replaces what Postgres said in the report with a pointer to the
+// console's log, where it goes: a refusal names tables and the console role's privileges, and
+// other errors may quote values. The API answers as the message view does; `baton status`, run
+// by an operator, shows the errors themselves.
+func (s *Server) hideDatabaseErrors(rep *statusreport.Report) {
+	rep.Slot.Error = s.hidden("slot", rep.Slot.Error)
+	rep.Outbox.Error = s.hidden("outbox", rep.Outbox.Error)
+	rep.Schema.Error = s.hidden("schema", rep.Schema.Error)
+	rep.ReplicationAccess.Error = s.hidden("replication access", rep.ReplicationAccess.Error)
+	if sh := rep.Shards; sh != nil {
+		sh.Error = s.hidden("shards", sh.Error)
+		for i := range sh.Slots {
+			sh.Slots[i].Error = s.hidden("shard slot", sh.Slots[i].Error)
+		}
+		for i := range sh.Stray {
+			sh.Stray[i].Error = s.hidden("stray slot", sh.Stray[i].Error)
+		}
+	}
+}
+
+// hidden logs a database error of the status report's part and returns what the API shows of
+// it; "" stays "".
+func (s *Server) hidden(part, msg string) string {
+	if msg == "" {
+		return ""
+	}
+	s.log.Error("console status: reading the database failed", "part", part, "error", msg)
+	return internalError
+}
+
+// internalError is what the API shows of an error whose text stays in the console's log.
+const internalError = "internal error (see the console's log)"
 
 // lastMinuteRate is the rate over the buckets that started in the minute before now.
 func lastMinuteRate(series []SeriesPoint, now time.Time, bucket time.Duration) float64 {
