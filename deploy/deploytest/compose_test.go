@@ -4,6 +4,8 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
@@ -485,4 +487,41 @@ func TestBatonUsageParsed(t *testing.T) {
 	require.True(t, cmds["relay"].env["BATON_NATS_URL"])
 	require.True(t, cmds["migrate"].env["BATON_DATABASE_URL"])
 	require.False(t, cmds["migrate"].env["BATON_NATS_URL"])
+}
+
+// The images link no NATS server: each program is built the way deploy/Dockerfile builds it
+// (its go build line's tags), and `go version -m` must list no nats-server module. baton links
+// one only for the embedded server of `baton demo` and `baton bench`, which the image's build
+// tag leaves out; a build without the tag does link it, so the check can fail.
+func TestImagesLinkNoNATSServer(t *testing.T) {
+	t.Parallel()
+	df := string(readFile(t, "deploy", "Dockerfile"))
+	goBin, err := exec.LookPath("go")
+	require.NoError(t, err, "the go command builds the programs")
+	build := func(out string, args ...string) string {
+		t.Helper()
+		cmd := exec.Command(goBin, append([]string{"build", "-o", out}, args...)...)
+		cmd.Dir = root
+		b, err := cmd.CombinedOutput()
+		require.NoError(t, err, "go build %v: %s", args, b)
+		b, err = exec.Command(goBin, "version", "-m", out).CombinedOutput()
+		require.NoError(t, err, "%s", b)
+		return string(b)
+	}
+	dir := t.TempDir()
+	for _, prog := range []string{progBaton, progEchoagent, progSubscriber} {
+		if prog == progSubscriber && !programExists(prog) {
+			continue
+		}
+		line := regexp.MustCompile(`(?m)^RUN go build (.*)-o /out/` + prog + ` `).FindStringSubmatch(df)
+		require.NotNil(t, line, "deploy/Dockerfile builds no %s", prog)
+		var args []string
+		if m := regexp.MustCompile(`-tags (\S+)`).FindStringSubmatch(line[1]); m != nil {
+			args = append(args, "-tags", m[1])
+		}
+		info := build(filepath.Join(dir, prog), append(args, "./"+programPackages[prog])...)
+		require.NotContains(t, info, "github.com/nats-io/nats-server", "the %s image links a NATS server", prog)
+	}
+	require.Contains(t, build(filepath.Join(dir, "baton-demo"), "./"+programPackages[progBaton]),
+		"github.com/nats-io/nats-server", "without the tag baton links the demo's server, so the check above can fail")
 }

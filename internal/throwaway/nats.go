@@ -1,3 +1,5 @@
+//go:build !baton_noembeddednats
+
 package throwaway
 
 import (
