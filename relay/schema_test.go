@@ -18,7 +18,8 @@ func TestRelayRunsInTheConfiguredSchema(t *testing.T) {
 	_, err := b.db.Pool.Exec(ctx, `CREATE SCHEMA bt`)
 	require.NoError(t, err)
 	for _, stmt := range []string{"TABLE conversations", "TABLE messages", "TABLE agent_outbox", "TABLE operations",
-		"TABLE agent_runs", "TABLE baton_relay_slots", "TABLE baton_schema_migrations", "FUNCTION baton_fence(boolean, text)"} {
+		"TABLE agent_runs", "TABLE baton_relay_slots", "TABLE baton_schema_migrations", "FUNCTION baton_fence(boolean, text)",
+		"FUNCTION baton_claim_order()"} {
 		_, err := b.db.Pool.Exec(ctx, `ALTER `+stmt+` SET SCHEMA bt`)
 		require.NoError(t, err)
 	}

@@ -232,8 +232,10 @@ func TestComposePostgres(t *testing.T) {
 	s := loadCompose(t).Services["postgres"]
 	image, tag, _ := strings.Cut(s.Image, ":")
 	require.Equal(t, "postgres", image)
-	major, err := strconv.Atoi(strings.SplitN(tag, "-", 2)[0])
-	require.NoError(t, err, "pin the postgres major version: %s", s.Image)
+	version, _, _ := strings.Cut(tag, "-")
+	majorText, _, _ := strings.Cut(version, ".")
+	major, err := strconv.Atoi(majorText)
+	require.NoError(t, err, "pin the postgres version: %s", s.Image)
 	require.GreaterOrEqual(t, major, 15, "Baton needs PostgreSQL 15 or newer")
 	settings := map[string]string{}
 	for i, a := range s.Command {

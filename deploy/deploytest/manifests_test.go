@@ -79,8 +79,19 @@ type k8sObject struct {
 				SecurityContext struct {
 					RunAsNonRoot *bool `json:"runAsNonRoot"`
 					RunAsUser    *int  `json:"runAsUser"`
+					FSGroup      *int  `json:"fsGroup"`
 				} `json:"securityContext"`
 				Containers []k8sContainer `json:"containers"`
+				Volumes    []struct {
+					Name   string `json:"name"`
+					Secret *struct {
+						SecretName string `json:"secretName"`
+						Items      []struct {
+							Key  string `json:"key"`
+							Path string `json:"path"`
+						} `json:"items"`
+					} `json:"secret"`
+				} `json:"volumes"`
 			} `json:"spec"`
 		} `json:"template"`
 	} `json:"spec"`
@@ -122,6 +133,14 @@ type k8sContainer struct {
 	} `json:"ports"`
 	ReadinessProbe *k8sProbe `json:"readinessProbe"`
 	LivenessProbe  *k8sProbe `json:"livenessProbe"`
+	VolumeMounts   []struct {
+		Name      string `json:"name"`
+		MountPath string `json:"mountPath"`
+		ReadOnly  bool   `json:"readOnly"`
+	} `json:"volumeMounts"`
+	Resources struct {
+		Limits map[string]string `json:"limits"`
+	} `json:"resources"`
 }
 
 type k8sProbe struct {
@@ -537,4 +556,95 @@ func TestHealthcheckProbe(t *testing.T) {
 	require.Equal(t, 2, code(), "usage error")
 	srv.Close()
 	require.Equal(t, 1, code(srv.URL+"/healthz"), "nothing listening is unhealthy")
+}
+
+// Secrets reach the programs as files, never as environment values (which any process of the
+// container, a crash dump or kubectl describe may show): no env entry takes a Secret's key, and
+// each *_FILE variable names a file of a read-only Secret volume holding a key the Secret has,
+// readable by the pod's group. Each container's GOMEMLIMIT is about 90 % of its memory limit,
+// so the Go runtime collects harder before the kernel kills it. No image is :latest.
+func TestKubernetesSecretsAsFilesAndMemoryLimits(t *testing.T) {
+	t.Parallel()
+	objs := kubernetesObjects(t)
+	secrets := objs["Secret/baton-secrets"]
+	for _, name := range []string{"Deployment/baton-relay", "Deployment/baton-worker", "Job/baton-migrate"} {
+		d, ok := objs[name]
+		require.True(t, ok, name)
+		spec := d.Spec.Template.Spec
+		c := spec.Containers[0]
+		files := map[string]string{} // path in the container -> the Secret's key
+		for _, m := range c.VolumeMounts {
+			for _, v := range spec.Volumes {
+				if v.Name != m.Name || v.Secret == nil {
+					continue
+				}
+				require.True(t, m.ReadOnly, "%s: the secret volume is mounted read-only", name)
+				require.Equal(t, "baton-secrets", v.Secret.SecretName, name)
+				for _, it := range v.Secret.Items {
+					files[m.MountPath+"/"+it.Path] = it.Key
+				}
+			}
+		}
+		require.NotNil(t, spec.SecurityContext.FSGroup, "%s: fsGroup lets the non-root user read the secret files", name)
+		fileVars := 0
+		for _, e := range c.Env {
+			require.True(t, e.ValueFrom == nil || e.ValueFrom.SecretKeyRef == nil,
+				"%s: %s takes a Secret as an environment value; mount it and set %s_FILE", name, e.Name, e.Name)
+			if strings.HasPrefix(e.Name, "BATON_") && strings.HasSuffix(e.Name, "_FILE") {
+				key, ok := files[e.Value]
+				require.True(t, ok, "%s: %s=%s is no file of a mounted Secret (%v)", name, e.Name, e.Value, files)
+				require.Contains(t, secrets.StringData, key, "%s: the Secret has no key %s", name, key)
+				fileVars++
+			}
+		}
+		require.Positive(t, fileVars, "%s reads no secret from a file", name)
+
+		limit := c.Resources.Limits["memory"]
+		require.NotEmpty(t, limit, "%s: a memory limit", name)
+		var goMemLimit string
+		for _, e := range c.Env {
+			if e.Name == "GOMEMLIMIT" {
+				goMemLimit = e.Value
+			}
+		}
+		require.NotEmpty(t, goMemLimit, "%s: GOMEMLIMIT", name)
+		ratio := float64(memBytes(t, goMemLimit)) / float64(memBytes(t, limit))
+		require.InDelta(t, 0.9, ratio, 0.05, "%s: GOMEMLIMIT %s against the limit %s", name, goMemLimit, limit)
+
+		require.NotContains(t, c.Image, ":latest", name)
+	}
+	relay := string(readFile(t, "deploy", "kubernetes", "relay-deployment.yaml"))
+	require.NotContains(t, relay, "# --max-in-flight (default", "--max-in-flight counts events; --max-in-flight-bytes bounds memory")
+	require.Contains(t, relay, "--max-in-flight-bytes")
+
+	kustomization := string(readFile(t, "deploy", "kubernetes", "kustomization.yaml"))
+	tags := regexp.MustCompile(`(?m)^\s*newTag:\s*(\S+)`).FindAllStringSubmatch(kustomization, -1)
+	require.NotEmpty(t, tags)
+	for _, m := range tags {
+		require.Regexp(t, `^v\d+\.\d+\.\d+$`, m[1], "kustomization.yaml: images are a release version, never latest")
+	}
+	compose := string(readFile(t, "docker-compose.yml"))
+	for _, m := range regexp.MustCompile(`(?m)^\s*image:\s*(\S+)`).FindAllStringSubmatch(compose, -1) {
+		image := m[1]
+		_, tag, ok := strings.Cut(image, ":")
+		require.True(t, ok, "docker-compose.yml: %s has no tag", image)
+		require.NotEqual(t, "latest", tag, "docker-compose.yml: %s", image)
+	}
+}
+
+// memBytes reads a Kubernetes memory quantity (Mi, Gi) or a GOMEMLIMIT value (MiB, GiB).
+func memBytes(t *testing.T, s string) int64 {
+	t.Helper()
+	for _, u := range []struct {
+		suffix string
+		mult   int64
+	}{{"GiB", 1 << 30}, {"MiB", 1 << 20}, {"Gi", 1 << 30}, {"Mi", 1 << 20}} {
+		if n, ok := strings.CutSuffix(s, u.suffix); ok {
+			v, err := strconv.ParseInt(n, 10, 64)
+			require.NoError(t, err, s)
+			return v * u.mult
+		}
+	}
+	t.Fatalf("memory %q: expected Mi, Gi, MiB or GiB", s)
+	return 0
 }
