@@ -441,6 +441,10 @@ WHERE op.id = ANY($1) AND op.id = e.id`
 //     claim order was written then (a turn of the conversation ends before the next is
 //     claimed), and what comes after, a backlog sent later above all, is never scanned.
 //
+// The OFFSET 0 of earlier's checks keeps each a probe per message: without it, at a few hundred
+// thousand runs, the planner made the replies' check a hashed subplan, which reads the whole
+// outbox and every run once per history read that gets that far (make test-long).
+//
 // A turn whose run is not found (its conversation was deleted, and perhaps created again)
 // gets no history.
 const historiesSQL = `
@@ -485,10 +489,11 @@ WITH turn AS (
           AND CASE WHEN m.role = 'user' THEN NOT EXISTS (
                        SELECT FROM agent_outbox o WHERE o.message_id = m.id
                          AND (o.status NOT IN ('done', 'error') OR EXISTS (
-                             SELECT FROM agent_runs r WHERE r.run_id = o.run_id AND r.claim_order IS NOT NULL)))
+                             SELECT FROM agent_runs r WHERE r.run_id = o.run_id AND r.claim_order IS NOT NULL))
+                       OFFSET 0)
                    ELSE NOT EXISTS (
                        SELECT FROM agent_outbox o JOIN agent_runs r ON r.run_id = o.run_id
-                       WHERE o.reply_id = m.id AND r.claim_order IS NOT NULL) END
+                       WHERE o.reply_id = m.id AND r.claim_order IS NOT NULL OFFSET 0) END
         ORDER BY m.created_at DESC, m.id DESC LIMIT greatest(t.lim - c.n, 0)) h
 )
 SELECT ord, id, role, content, created_at FROM (
