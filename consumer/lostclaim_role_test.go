@@ -4,12 +4,10 @@ package consumer
 // baton_worker: the role deletes nothing, so handing back must not need DELETE.
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"net"
 	"strconv"
-	"sync"
 	"testing"
 	"time"
 
@@ -148,7 +146,7 @@ func TestLostClaimHandBackFailureIsLoggedAndCounted(t *testing.T) {
 		CREATE TRIGGER refuse_run_updates BEFORE UPDATE ON agent_runs FOR EACH ROW EXECUTE FUNCTION refuse_run_updates()`)
 	require.NoError(t, err)
 	s.pool = pool
-	var logs lockedBuffer
+	var logs testsvc.Buffer
 	s.log = slog.New(slog.NewTextHandler(&logs, nil))
 	s.lostClaims = newMetrics(nil).lostClaims
 	claimOne(t, s, "warm", "00000000-0000-4000-8000-0000000028c0")
@@ -171,22 +169,4 @@ func TestLostClaimHandBackFailureIsLoggedAndCounted(t *testing.T) {
 	require.Zero(t, count("handed_back"))
 	require.Equal(t, []string{"processing"}, testsvc.Query[string](t, db,
 		`SELECT status FROM agent_outbox WHERE conversation_id = 'c'`))
-}
-
-// lockedBuffer is a bytes.Buffer safe for a logger and a test to share.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"io"
@@ -9,7 +8,6 @@ import (
 	"os"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -20,24 +18,6 @@ import (
 	"github.com/batonhq/baton/internal/console"
 	"github.com/batonhq/baton/internal/testsvc"
 )
-
-// lockedBuffer is a bytes.Buffer safe for a command writing and a test reading.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 var consoleURLRE = regexp.MustCompile(`console on (http://\S+/)`)
 
@@ -73,7 +53,7 @@ func TestConsoleServes(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var stdout, stderr lockedBuffer
+	var stdout, stderr testsvc.Buffer
 	done := make(chan int, 1)
 	go func() { done <- run(ctx, []string{"console"}, &stdout, &stderr) }()
 	var base string

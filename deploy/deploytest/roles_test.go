@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"net/url"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -27,10 +26,6 @@ import (
 	"github.com/batonhq/baton/relay"
 	"github.com/batonhq/baton/wire"
 )
-
-// roleNameRE finds the role names in roles.sql. Roles are cluster-wide and tests share a
-// cluster, so each test renames them; \b keeps table names such as baton_relay_slots intact.
-var roleNameRE = regexp.MustCompile(`\bbaton_(app|relay|worker|migrator|console)\b`)
 
 // Baton's roles, as named in roles.sql.
 const (
@@ -56,8 +51,9 @@ func newRoleSet(t *testing.T, db *testsvc.Database, dbURL string) *roleSet {
 	pw := make([]byte, 12)
 	_, _ = rand.Read(pw)
 	rs := &roleSet{prefix: db.Name, password: hex.EncodeToString(pw), dbURL: dbURL}
-	require.True(t, roleNameRE.Match(readFile(t, "deploy", "postgres", "roles.sql")))
-	rs.sql = roleNameRE.ReplaceAllString(string(readFile(t, "deploy", "postgres", "roles.sql")), rs.prefix+"_$1")
+	sql, err := testsvc.RolesSQL(rs.prefix)
+	require.NoError(t, err)
+	rs.sql = sql
 	require.NotContains(t, rs.sql, "baton_app")
 	require.Contains(t, rs.sql, "baton_relay_slots", "renaming roles must not rename tables")
 	t.Cleanup(func() {
