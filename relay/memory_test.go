@@ -23,11 +23,16 @@ import (
 func TestInFlightIsBoundedInBytes(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	ctx := ctxT(t, 4*time.Minute)
+	ctx := ctxT(t, 6*time.Minute)
 	createConversations(t, b.db.Pool, "c")
 	natsProxy := testsvc.StartProxy(t, strings.TrimPrefix(b.nats.URL(), "nats://"))
 	addr := freeAddr(t)
-	p := b.startAdvProcess(t, b.cfg.DatabaseURL, "nats://"+natsProxy.Addr(), "--metrics-addr", addr)
+	// The first event's fence write waits on the frozen NATS: with the default --ack-timeout
+	// (10s) the session ends then, and in CI beside other packages the relay had not yet read a
+	// full window by that time (seen: the sync point below never held). A minute keeps the
+	// session, and its window, alive long enough; not much longer, since a publish lost in a
+	// reconnect of nats.go meanwhile is sent again only by the session after it.
+	p := b.startAdvProcess(t, b.cfg.DatabaseURL, "nats://"+natsProxy.Addr(), "--metrics-addr", addr, "--ack-timeout", "1m")
 	require.Eventually(t, func() bool { return p.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay never streamed")
 	const limit = 256 << 20
 
@@ -50,12 +55,12 @@ func TestInFlightIsBoundedInBytes(t *testing.T) {
 			FROM pg_stat_replication r JOIN pg_replication_slots s ON s.active_pid = r.pid
 			WHERE s.slot_name = $2`, target.String(), b.cfg.Slot).Scan(&sent)
 		return err == nil && sent
-	}, time.Minute, 20*time.Millisecond, "the relay neither filled its window nor received every reply")
+	}, 90*time.Second, 20*time.Millisecond, "the relay neither filled its window nor received every reply")
 	hwm := peakRSS(t, p.cmd.Process.Pid)
 	natsProxy.Unfreeze()
 	// Counted, not read: 300 MB would overrun the test's own subscription. Nats-Msg-Id
 	// deduplication makes the count exact.
-	require.Equal(t, uint64(n), b.waitStreamCount(t, "AGENT_OUTCOMES", n, 2*time.Minute))
+	require.Equal(t, uint64(n), b.waitStreamCount(t, "AGENT_OUTCOMES", n, 3*time.Minute))
 	hwm = max(hwm, peakRSS(t, p.cmd.Process.Pid))
 	t.Logf("peak RSS %d MiB", hwm>>20)
 	require.Less(t, hwm, int64(limit), "peak RSS %d MiB with %d outcomes of 1 MB behind a stalled NATS", hwm>>20, n)

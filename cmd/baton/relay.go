@@ -40,6 +40,8 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 	classic := fs.Bool("classic-publish", false, "publish event by event, never in JetStream fast-ingest batches (which the relay uses\n"+
 		"while it is behind, when the server, 2.14 or later, and the streams take them)")
 	drain := fs.Duration("drain-timeout", 10*time.Second, "on SIGTERM, how long to wait for PubAcks")
+	ackTimeout := fs.Duration("ack-timeout", 10*time.Second, "how long a publish may wait for its PubAck before the session ends and the next one\n"+
+		"publishes again from the confirmed position (a stalled or partitioned NATS)")
 	recreateSlot := fs.Bool("recreate-slot", false, "drop a slot of that name that Baton did not create (an operator's or another tool's)\n"+
 		"and create Baton's in its place, with a first-start backfill; without it such a slot is refused")
 	_ = fs.Duration("stale-lock-after", 10*time.Second, "no longer used (kept so that scripts that set it still run): a standby takes over once\n"+
@@ -118,6 +120,7 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		MaxChangeBytes:   *maxChangeBytes,
 		ClassicPublish:   *classic,
 		DrainTimeout:     *drain,
+		AckTimeout:       *ackTimeout,
 		RecreateSlot:     *recreateSlot,
 		MinSilence:       *minSilence,
 		StatusInterval:   *statusInterval,
