@@ -6,8 +6,6 @@ package consumer
 import (
 	"context"
 	"log/slog"
-	"net"
-	"strconv"
 	"testing"
 	"time"
 
@@ -22,15 +20,10 @@ import (
 // connects through a fault-injecting TCP proxy (as viaProxy does for the admin).
 func workerViaProxy(t *testing.T, db *testsvc.Database) (*pgxpool.Pool, *testsvc.Proxy) {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(db.RoleURL(testsvc.RoleWorker))
+	proxy, proxied := testsvc.ProxyPostgres(t, db.RoleURL(testsvc.RoleWorker))
+	cfg, err := pgxpool.ParseConfig(proxied)
 	require.NoError(t, err)
 	role := cfg.ConnConfig.User
-	proxy := testsvc.StartProxy(t, net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port))))
-	host, port, err := net.SplitHostPort(proxy.Addr())
-	require.NoError(t, err)
-	p, err := strconv.Atoi(port)
-	require.NoError(t, err)
-	cfg.ConnConfig.Host, cfg.ConnConfig.Port = host, uint16(p)
 	// No liveness ping on acquire: the fault must hit the statement under test, not a ping.
 	cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
 	cfg.MaxConns = 1

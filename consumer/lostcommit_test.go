@@ -2,9 +2,6 @@ package consumer
 
 import (
 	"context"
-	"net"
-	"net/url"
-	"strconv"
 	"testing"
 	"time"
 
@@ -17,13 +14,8 @@ import (
 // viaProxy returns a pool on db that connects through a fault-injecting TCP proxy.
 func viaProxy(t *testing.T, db *testsvc.Database) (*pgxpool.Pool, *testsvc.Proxy) {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(db.URL)
-	require.NoError(t, err)
-	proxy := testsvc.StartProxy(t, net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port))))
-	u, err := url.Parse(db.URL)
-	require.NoError(t, err)
-	u.Host = proxy.Addr()
-	cfg, err = pgxpool.ParseConfig(u.String())
+	proxy, proxied := testsvc.ProxyPostgres(t, db.URL)
+	cfg, err := pgxpool.ParseConfig(proxied)
 	require.NoError(t, err)
 	// No liveness ping on acquire: the fault must hit the statement under test, not a ping.
 	cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }

@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/relay"
 )
@@ -180,13 +181,13 @@ func startClusterSystem(t *testing.T, ctx context.Context) (*system, *testsvc.Cl
 		p := &proc{name: name, kind: kind, bin: bin, args: args, log: newTail(256 << 10)}
 		p.env = []string{"BATON_NATS_URL=" + cl.URLs(), "BATON_LOG_LEVEL=info"}
 		if withPG {
-			p.metricsAddr = freeAddr(t)
+			p.metricsAddr = opsserver.AnyPort
 			pool := ""
 			if kind == "worker" {
 				pool = fmt.Sprintf("&pool_max_conns=%d", workerPoolMax)
 			}
-			p.env = append(p.env, fmt.Sprintf("BATON_DATABASE_URL=postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable&application_name=%s%s",
-				pg.Port, name, pool), "BATON_METRICS_ADDR="+p.metricsAddr)
+			p.env = append(p.env, fmt.Sprintf("BATON_DATABASE_URL=%s&application_name=%s%s",
+				pg.URL("postgres"), name, pool), "BATON_METRICS_ADDR="+p.metricsAddr)
 		}
 		s.procs = append(s.procs, p)
 		s.named[name] = p

@@ -5,7 +5,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"net"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/internal/testsvc"
 )
 
@@ -27,7 +28,7 @@ type proc struct {
 	kind        string // "relay", "worker" or "subscriber"
 	bin         string
 	args, env   []string
-	metricsAddr string         // "" for the subscriber
+	metricsAddr string         // BATON_METRICS_ADDR, opsserver.AnyPort; "" for the subscriber
 	pg, nats    *testsvc.Proxy // pg is nil for the subscriber
 	stdoutLine  func(string)   // called for each line the process prints on stdout, or nil
 
@@ -38,6 +39,9 @@ type proc struct {
 	exited  chan struct{} // closed when the current run's process has exited
 	status  error         // Wait's result of the last run that ended
 	stopped bool          // SIGSTOPped, not yet continued
+	// metricsAt is where the current run serves its metrics, from its log: each run binds a
+	// port of its own. "" until the run logged it, and once it exited.
+	metricsAt string
 	// expecting is set while the test itself kills or stops the process; an exit without it
 	// is a crash and recorded in crashes.
 	expecting bool
@@ -56,14 +60,22 @@ func (p *proc) start(t *testing.T) {
 	cmd := exec.Command(p.bin, p.args...)
 	cmd.Env = append(os.Environ(), p.env...)
 	p.log.note("start #%d", p.starts+1)
-	cmd.Stderr = p.log
+	cmd.Stderr = io.MultiWriter(p.log, &testsvc.LineWriter{Line: func(line string) {
+		if addr, ok := opsserver.ListeningAddr(line, opsserver.MetricsListening); ok {
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			if p.cmd == cmd { // not a run the test already saw exit
+				p.metricsAt = addr
+			}
+		}
+	}})
 	if p.stdoutLine != nil {
 		cmd.Stdout = &testsvc.LineWriter{Line: p.stdoutLine}
 	}
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("%s: start: %v", p.name, err)
 	}
-	p.cmd, p.exited, p.stopped, p.expecting = cmd, make(chan struct{}), false, false
+	p.cmd, p.exited, p.stopped, p.expecting, p.metricsAt = cmd, make(chan struct{}), false, false, ""
 	p.starts++
 	exited := p.exited
 	go func() { // owned by the process: ends when it exits
@@ -76,7 +88,8 @@ func (p *proc) start(t *testing.T) {
 			p.log.note("exited on its own: %v", err)
 		}
 		if p.cmd == cmd {
-			p.cmd = nil
+			// Its port is free again: a scrape there would reach whatever took it.
+			p.cmd, p.metricsAt = nil, ""
 		}
 		close(exited)
 	}()
@@ -171,14 +184,21 @@ func (p *proc) takeCrashes() []string {
 }
 
 // metric returns the value of the sample named exactly name (with its labels, if any) from
-// the process's /metrics.
+// the current run's /metrics. It fails while the run has not yet logged where it serves them
+// (just started, or not running).
 func (p *proc) metric(ctx context.Context, name string) (float64, error) {
 	if p.metricsAddr == "" {
 		return 0, fmt.Errorf("%s serves no metrics", p.name)
 	}
+	p.mu.Lock()
+	addr := p.metricsAt
+	p.mu.Unlock()
+	if addr == "" {
+		return 0, fmt.Errorf("%s: no run that logged where it serves metrics", p.name)
+	}
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+p.metricsAddr+"/metrics", nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
 	if err != nil {
 		return 0, fmt.Errorf("metrics request: %w", err)
 	}
@@ -203,21 +223,6 @@ func (p *proc) metric(ctx context.Context, name string) (float64, error) {
 		return 0, fmt.Errorf("%s metrics: %w", p.name, err)
 	}
 	return 0, fmt.Errorf("%s has no metric %s", p.name, name)
-}
-
-// freeAddr returns a loopback address no one listens on now, for a process's metrics.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	var lc net.ListenConfig
-	ln, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("free port: %v", err)
-	}
-	addr := ln.Addr().String()
-	if err := ln.Close(); err != nil {
-		t.Fatalf("free port: %v", err)
-	}
-	return addr
 }
 
 // tail keeps the last bytes written to it (a process's log, across its runs).

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/migrations"
 )
@@ -104,7 +105,7 @@ func startSystem(t *testing.T, ctx context.Context) *system {
 	t.Logf("postgres up and migrated, programs built: %v", time.Since(began).Round(time.Millisecond))
 
 	natsTarget := fmt.Sprintf("127.0.0.1:%d", n.Port)
-	pgTarget := fmt.Sprintf("127.0.0.1:%d", pg.Port)
+	pgTarget := pg.SocketPath() // the proxies dial the cluster's Unix socket
 	add := func(name, kind, bin string, args []string, withPG bool) *proc {
 		pool := ""
 		if kind == "worker" { // the relay connects without a pool; Postgres refuses the setting
@@ -115,7 +116,7 @@ func startSystem(t *testing.T, ctx context.Context) *system {
 		p.env = []string{"BATON_NATS_URL=nats://" + p.nats.Addr(), "BATON_LOG_LEVEL=info"}
 		if withPG {
 			p.pg = testsvc.StartProxy(t, pgTarget)
-			p.metricsAddr = freeAddr(t)
+			p.metricsAddr = opsserver.AnyPort
 			p.env = append(p.env,
 				fmt.Sprintf("BATON_DATABASE_URL=postgres://postgres@%s/postgres?sslmode=disable&application_name=%s%s",
 					p.pg.Addr(), name, pool),

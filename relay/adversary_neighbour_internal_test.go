@@ -3,7 +3,6 @@ package relay
 import (
 	"context"
 	"log/slog"
-	"net/url"
 	"testing"
 	"time"
 
@@ -28,13 +27,10 @@ func TestAdvNeighbourWatchStoppedMidLookLeavesTheConnection(t *testing.T) {
 	r, err := New(Config{DatabaseURL: db.RoleURL(testsvc.RoleRelay), NATS: nc, Slot: db.Name, Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)
 
-	u, err := url.Parse(db.URL)
-	require.NoError(t, err)
-	proxy := testsvc.StartProxy(t, u.Host)
-	u.Host = proxy.Addr()
+	proxy, proxiedURL := testsvc.ProxyPostgres(t, db.URL)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, u.String())
+	conn, err := pgx.Connect(ctx, proxiedURL)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close(context.Background()) })
 

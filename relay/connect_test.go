@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/internal/throwaway"
 	"github.com/batonhq/baton/relay"
 )
 
@@ -54,8 +55,9 @@ func TestConnectRefusalsAreSetupErrors(t *testing.T) {
 	ctx := ctxT(t, 3*time.Minute)
 	b := setup(t)
 
-	// A cluster of its own that asks for passwords: the shared one trusts every connection.
-	pg, err := testsvc.StartPostgres(ctx)
+	// A cluster of its own that asks for passwords: the shared one trusts every connection. On
+	// TCP, as users' URLs name a host (the driver checks no sslmode for a Unix socket).
+	pg, err := testsvc.StartPostgresWith(ctx, throwaway.PostgresOptions{TCP: true})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, pg.Close()) })
 	admin, err := pgx.Connect(ctx, pg.URL("postgres"))

@@ -1,7 +1,6 @@
 package relay_test
 
 import (
-	"net/url"
 	"testing"
 	"time"
 
@@ -16,11 +15,7 @@ import (
 // URL through it.
 func proxied(t *testing.T, dbURL string) (*testsvc.Proxy, string) {
 	t.Helper()
-	u, err := url.Parse(dbURL)
-	require.NoError(t, err)
-	p := testsvc.StartProxy(t, u.Host)
-	u.Host = p.Addr()
-	return p, u.String()
+	return testsvc.ProxyPostgres(t, dbURL)
 }
 
 // setWalSenderTimeout sets wal_sender_timeout for the test's database: per-database settings

@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/relay"
 )
@@ -26,13 +27,13 @@ func TestInFlightIsBoundedInBytes(t *testing.T) {
 	ctx := ctxT(t, 6*time.Minute)
 	createConversations(t, b.db.Pool, "c")
 	natsProxy := testsvc.StartProxy(t, strings.TrimPrefix(b.nats.URL(), "nats://"))
-	addr := freeAddr(t)
 	// The first event's fence write waits on the frozen NATS: with the default --ack-timeout
 	// (10s) the session ends then, and in CI beside other packages the relay had not yet read a
 	// full window by that time (seen: the sync point below never held). A minute keeps the
 	// session, and its window, alive long enough; not much longer, since a publish lost in a
 	// reconnect of nats.go meanwhile is sent again only by the session after it.
-	p := b.startAdvProcess(t, b.cfg.DatabaseURL, "nats://"+natsProxy.Addr(), "--metrics-addr", addr, "--ack-timeout", "1m")
+	p := b.startAdvProcess(t, b.cfg.DatabaseURL, "nats://"+natsProxy.Addr(), "--metrics-addr", opsserver.AnyPort, "--ack-timeout", "1m")
+	addr := p.metricsAddr(t)
 	require.Eventually(t, func() bool { return p.logged("msg=streaming") }, time.Minute, 20*time.Millisecond, "relay never streamed")
 	const limit = 256 << 20
 

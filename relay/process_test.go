@@ -6,10 +6,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/relay"
@@ -41,13 +42,48 @@ func peakRSS(t *testing.T, pid int) int64 {
 	return 0
 }
 
-func freeAddr(t *testing.T) string {
+// awaitListening waits until one of the lines a process logged so far (lines) says where it
+// listens for msg, and returns that address. It fails the test when the process exits first
+// (exited closes once every line was read) or after a minute.
+func awaitListening(t *testing.T, msg string, lines func() []string, exited <-chan struct{}) string {
 	t.Helper()
-	l, err := (&net.ListenConfig{}).Listen(t.Context(), "tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := l.Addr().String()
-	require.NoError(t, l.Close())
-	return addr
+	find := func() (string, bool) {
+		for _, l := range lines() {
+			if addr, ok := opsserver.ListeningAddr(l, msg); ok {
+				return addr, true
+			}
+		}
+		return "", false
+	}
+	deadline := time.NewTimer(time.Minute)
+	defer deadline.Stop()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if addr, ok := find(); ok {
+			return addr
+		}
+		select {
+		case <-exited:
+			if addr, ok := find(); ok {
+				return addr
+			}
+			t.Fatalf("the relay exited without logging %q; log:\n%s", msg, strings.Join(lines(), "\n"))
+		case <-deadline.C:
+			t.Fatalf("the relay did not log %q within a minute; log:\n%s", msg, strings.Join(lines(), "\n"))
+		case <-tick.C:
+		}
+	}
+}
+
+// metricsAddr returns where the relay serves its metrics, once it logged it.
+func (p *haProcess) metricsAddr(t *testing.T) string {
+	t.Helper()
+	return awaitListening(t, opsserver.MetricsListening, func() []string {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return slices.Clone(p.seen)
+	}, p.exited)
 }
 
 func httpGet(t *testing.T, url string) (int, string) {
@@ -91,9 +127,8 @@ func TestGracefulStopConfirmsAndExitsZero(t *testing.T) {
 	ctx := ctxT(t, 3*time.Minute)
 	convs := conversationIDs(20)
 	createConversations(t, b.db.Pool, convs...)
-	addr := freeAddr(t)
 
-	cmd := exec.Command(batonBinary(t), "relay", "--metrics-addr", addr)
+	cmd := exec.Command(batonBinary(t), "relay", "--metrics-addr", opsserver.AnyPort)
 	cmd.Env = append(os.Environ(), "BATON_DATABASE_URL="+b.cfg.DatabaseURL, "BATON_NATS_URL="+b.nats.URL(),
 		"BATON_SLOT="+b.cfg.Slot, "BATON_LOG_FORMAT=json")
 	stderr, err := cmd.StderrPipe()
@@ -101,16 +136,31 @@ func TestGracefulStopConfirmsAndExitsZero(t *testing.T) {
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
 	lines := make(chan string, 1000)
+	bound := make(chan string, 1) // the metrics address, once logged; closed when the log ends
 	go func() {
 		sc := bufio.NewScanner(stderr)
+		logged := false
 		for sc.Scan() {
+			if a, ok := opsserver.ListeningAddr(sc.Text(), opsserver.MetricsListening); ok && !logged {
+				logged = true
+				bound <- a
+			}
 			select {
 			case lines <- sc.Text():
 			default:
 			}
 		}
 		close(lines)
+		close(bound)
 	}()
+	var addr string
+	select {
+	case a, ok := <-bound:
+		require.True(t, ok, "the relay's log ended before it said where it serves metrics")
+		addr = a
+	case <-time.After(time.Minute):
+		t.Fatal("the relay did not log where it serves metrics within a minute")
+	}
 
 	// Ready once streaming; health answers throughout.
 	require.Eventually(t, func() bool { code, _ := httpGet(t, "http://"+addr+"/readyz"); return code == 200 }, time.Minute, 20*time.Millisecond)
@@ -189,10 +239,9 @@ func TestLostSlotIsLoudAndRecoverable(t *testing.T) {
 
 	// The relay refuses, loudly: an error that says what to do, a metric that stays scrapeable
 	// until it exits, a non-zero exit.
-	addr := freeAddr(t)
 	p := startFatalProcess(t, "BATON_DATABASE_URL="+pg.URL("postgres"), "BATON_NATS_URL="+b.nats.URL(),
-		"BATON_METRICS_ADDR="+addr, "BATON_FATAL_LINGER=10m")
-	p.requireLingering(t, addr, `baton_relay_slot_lost 1`, `baton_relay_fatal{reason="slot_lost"} 1`)
+		"BATON_METRICS_ADDR="+opsserver.AnyPort, "BATON_FATAL_LINGER=10m")
+	p.requireLingering(t, `baton_relay_slot_lost 1`, `baton_relay_fatal{reason="slot_lost"} 1`)
 	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
 	require.Equal(t, 1, p.exitCode(t, 30*time.Second), "SIGTERM during the linger exits with the error's status")
 	rec := p.errorRecord(t)
@@ -242,10 +291,19 @@ func (p *fatalProcess) exitCode(t *testing.T, within time.Duration) int {
 	return p.cmd.ProcessState.ExitCode()
 }
 
+// metricsAddr returns where the process serves its metrics, once it logged it.
+func (p *fatalProcess) metricsAddr(t *testing.T) string {
+	t.Helper()
+	return awaitListening(t, opsserver.MetricsListening, func() []string {
+		return strings.Split(p.stderr.String(), "\n")
+	}, p.exited)
+}
+
 // requireLingering waits until the process serves metrics showing every one of want, then
 // checks that it is alive and not ready.
-func (p *fatalProcess) requireLingering(t *testing.T, addr string, want ...string) {
+func (p *fatalProcess) requireLingering(t *testing.T, want ...string) {
 	t.Helper()
+	addr := p.metricsAddr(t)
 	require.Eventually(t, func() bool {
 		code, metrics := httpGet(t, "http://"+addr+"/metrics")
 		if code != http.StatusOK {
@@ -300,9 +358,8 @@ func TestFatalErrorLingersWithMetrics(t *testing.T) {
 
 	t.Run("SIGTERM ends the linger", func(t *testing.T) {
 		t.Parallel()
-		addr := freeAddr(t)
-		p := startFatalProcess(t, env("BATON_METRICS_ADDR="+addr, "BATON_FATAL_LINGER=10m")...)
-		p.requireLingering(t, addr, `baton_relay_fatal{reason="setup"} 1`, `baton_relay_fatal{reason="slot_lost"} 0`,
+		p := startFatalProcess(t, env("BATON_METRICS_ADDR="+opsserver.AnyPort, "BATON_FATAL_LINGER=10m")...)
+		p.requireLingering(t, `baton_relay_fatal{reason="setup"} 1`, `baton_relay_fatal{reason="slot_lost"} 0`,
 			"baton_relay_slot_lost 0")
 		require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
 		require.Equal(t, 1, p.exitCode(t, 30*time.Second))
@@ -310,14 +367,14 @@ func TestFatalErrorLingersWithMetrics(t *testing.T) {
 	})
 	t.Run("the linger ends", func(t *testing.T) {
 		t.Parallel()
-		p := startFatalProcess(t, env("BATON_METRICS_ADDR="+freeAddr(t), "BATON_FATAL_LINGER=1s")...)
+		p := startFatalProcess(t, env("BATON_METRICS_ADDR="+opsserver.AnyPort, "BATON_FATAL_LINGER=1s")...)
 		require.Equal(t, 1, p.exitCode(t, time.Minute))
 		requireSetupRecord(t, p, "1s")
 	})
 	// Bounds well below the default linger of 2m: these exit at once.
 	t.Run("no linger", func(t *testing.T) {
 		t.Parallel()
-		p := startFatalProcess(t, env("BATON_METRICS_ADDR="+freeAddr(t), "BATON_FATAL_LINGER=0")...)
+		p := startFatalProcess(t, env("BATON_METRICS_ADDR="+opsserver.AnyPort, "BATON_FATAL_LINGER=0")...)
 		require.Equal(t, 1, p.exitCode(t, 30*time.Second))
 		requireSetupRecord(t, p, "0s")
 	})

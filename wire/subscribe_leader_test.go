@@ -129,10 +129,15 @@ func TestOutcomeSubscriberKeepsOrderWhenTheConsumerLeaderChanges(t *testing.T) {
 }
 
 // routedCluster is a 3-node JetStream cluster whose routes all pass through TCP proxies, one per
-// ordered pair of nodes, so that a test can freeze the link between two nodes only.
+// pair of nodes, so that a test can freeze the link between two nodes only.
 type routedCluster struct {
 	nodes   []*routedNode
-	proxies map[[2]int]*testsvc.Proxy // [from, to]: from's route to to
+	proxies map[[2]int]*testsvc.Proxy // [to, from], to started before from: from's route to to
+}
+
+// proxy returns the proxy between x and y.
+func (cl *routedCluster) proxy(x, y *routedNode) *testsvc.Proxy {
+	return cl.proxies[[2]int{min(x.idx, y.idx), max(x.idx, y.idx)}]
 }
 
 type routedNode struct {
@@ -155,14 +160,10 @@ func (n *routedNode) stop() {
 // only), so no node connects to another behind the proxies' back.
 func startRoutedCluster(t *testing.T) *routedCluster {
 	t.Helper()
-	var lc net.ListenConfig
-	listen := func() net.Listener {
-		ln, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
-		require.NoError(t, err)
-		return ln
-	}
 	// Held for the whole test: a route dialled there is accepted and closed at once.
-	nowhere := listen()
+	var lc net.ListenConfig
+	nowhere, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
+	require.NoError(t, err)
 	t.Cleanup(func() { _ = nowhere.Close() })
 	go func() {
 		for {
@@ -174,33 +175,28 @@ func startRoutedCluster(t *testing.T) *routedCluster {
 		}
 	}()
 
+	// The nodes bind free ports themselves and start one after another, each routed to the
+	// ones before it through a proxy to that one's route port: one route, so one proxy, per
+	// pair of nodes. (Ports chosen first and bound later could be given to a proxy meanwhile.)
+	// JetStream in a cluster refuses to start without a route configured: the first node's is
+	// to nowhere.
 	const n = 3
-	var ports []int
-	for range 2 * n {
-		ln := listen()
-		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
-		_ = ln.Close()
-	}
 	cl := &routedCluster{proxies: map[[2]int]*testsvc.Proxy{}}
 	for i := range n {
-		for j := range n {
-			if i != j {
-				cl.proxies[[2]int{i, j}] = testsvc.StartProxy(t, fmt.Sprintf("127.0.0.1:%d", ports[2*j+1]))
-			}
-		}
-	}
-	for i := range n {
-		node := &routedNode{idx: i, name: fmt.Sprintf("leader-n%d", i), port: ports[2*i]}
+		node := &routedNode{idx: i, name: fmt.Sprintf("leader-n%d", i)}
 		var routes []*url.URL
-		for j := range n {
-			if j != i {
-				routes = append(routes, &url.URL{Scheme: "nats", Host: cl.proxies[[2]int{i, j}].Addr()})
-			}
+		for _, prev := range cl.nodes {
+			p := testsvc.StartProxy(t, fmt.Sprintf("127.0.0.1:%d", prev.srv.ClusterAddr().Port))
+			cl.proxies[[2]int{prev.idx, i}] = p
+			routes = append(routes, &url.URL{Scheme: "nats", Host: p.Addr()})
+		}
+		if len(routes) == 0 {
+			routes = []*url.URL{{Scheme: "nats", Host: nowhere.Addr().String()}}
 		}
 		srv, err := server.NewServer(&server.Options{
 			ServerName:   node.name,
 			Host:         "127.0.0.1",
-			Port:         node.port,
+			Port:         -1, // any free port
 			JetStream:    true,
 			StoreDir:     t.TempDir(),
 			SyncAlways:   true,
@@ -208,7 +204,7 @@ func startRoutedCluster(t *testing.T) *routedCluster {
 			Cluster: server.ClusterOpts{
 				Name:      "leader-test",
 				Host:      "127.0.0.1",
-				Port:      ports[2*i+1],
+				Port:      -1,
 				Advertise: nowhere.Addr().String(),
 			},
 			Routes: routes,
@@ -218,7 +214,7 @@ func startRoutedCluster(t *testing.T) *routedCluster {
 		require.NoError(t, err)
 		go srv.Start()
 		require.True(t, srv.ReadyForConnections(30*time.Second), "%s not ready", node.name)
-		node.srv = srv
+		node.srv, node.port = srv, srv.Addr().(*net.TCPAddr).Port
 		t.Cleanup(node.stop)
 		cl.nodes = append(cl.nodes, node)
 	}
@@ -239,20 +235,17 @@ func startRoutedCluster(t *testing.T) *routedCluster {
 
 // freeze stops the routes between x and y, both ways, without closing them.
 func (cl *routedCluster) freeze(x, y *routedNode) {
-	cl.proxies[[2]int{x.idx, y.idx}].Freeze()
-	cl.proxies[[2]int{y.idx, x.idx}].Freeze()
+	cl.proxy(x, y).Freeze()
 }
 
 // reset closes the routes between x and y, dropping what freeze held back.
 func (cl *routedCluster) reset(x, y *routedNode) {
-	cl.proxies[[2]int{x.idx, y.idx}].ResetAll()
-	cl.proxies[[2]int{y.idx, x.idx}].ResetAll()
+	cl.proxy(x, y).ResetAll()
 }
 
 // unfreeze undoes freeze.
 func (cl *routedCluster) unfreeze(x, y *routedNode) {
-	cl.proxies[[2]int{x.idx, y.idx}].Unfreeze()
-	cl.proxies[[2]int{y.idx, x.idx}].Unfreeze()
+	cl.proxy(x, y).Unfreeze()
 }
 
 // moveLeader asks, through the stepdown API subject, for the leadership to move to the node

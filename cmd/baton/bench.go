@@ -14,6 +14,7 @@ import (
 
 	"github.com/batonhq/baton/internal/bench"
 	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/internal/throwaway"
 )
 
 const benchSummary = "measure Baton on this machine: bench relay (the relay against baselines), bench turns"
@@ -179,7 +180,8 @@ func runBenchOn(ctx context.Context, cfg config.Config, bcfg bench.Config, out i
 	// defers below.
 	startCtx, cancelStart := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Minute)
 	defer cancelStart()
-	stopPostgres, err := localPostgres(startCtx, &cfg,
+	// On TCP, as relays reach their database in production (a Unix socket is faster).
+	stopPostgres, err := localPostgres(startCtx, &cfg, throwaway.PostgresOptions{TCP: true},
 		"the bench creates a database baton_bench_<id> there and drops it at the end",
 		func(err error) error {
 			return noPostgresErrorFor("the bench", "the bench creates a database of its own there and drops it at the end", err)

@@ -288,7 +288,7 @@ func runDemoOn(ctx context.Context, d *demo.Demo, cfg config.Config, modelLatenc
 		return nil
 	})
 	if cfg.MetricsAddr != "" {
-		g.Go(func() error { return opsserver.Serve(gctx, cfg.MetricsAddr, reg, r.Ready) })
+		g.Go(func() error { return opsserver.Serve(gctx, log, cfg.MetricsAddr, reg, r.Ready) })
 	}
 	ws.start(gctx, g)
 	var res *demo.Result

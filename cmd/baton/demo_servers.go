@@ -6,11 +6,12 @@ import (
 	"io"
 
 	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/internal/throwaway"
 )
 
 // demoPostgres is localPostgres for the demo, which writes ids starting with runID.
 func demoPostgres(ctx context.Context, cfg *config.Config, runID string, out io.Writer) (stop func() error, err error) {
-	return localPostgres(ctx, cfg, fmt.Sprintf("the demo writes ids starting with %s- there "+
+	return localPostgres(ctx, cfg, throwaway.PostgresOptions{}, fmt.Sprintf("the demo writes ids starting with %s- there "+
 		"and its workers answer every pending message", runID), noPostgresError, out)
 }
 

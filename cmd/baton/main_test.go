@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"net"
 	"net/url"
 	"os"
 	"runtime/debug"
@@ -142,11 +141,7 @@ func TestMigrateInvalidConfiguration(t *testing.T) {
 
 func TestMigrateErrorsHideThePassword(t *testing.T) {
 	t.Parallel()
-	var lc net.ListenConfig
-	l, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	closed := l.Addr().String() // nothing listens here once l is closed
-	require.NoError(t, l.Close())
+	closed := testsvc.RefusingAddr(t) // refuses connections
 
 	for _, dbURL := range []string{
 		"postgres://baton:s3cret@" + closed + "/baton?sslmode=disable",

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batonhq/baton/internal/config"
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/internal/testsvc"
 )
 
@@ -82,10 +83,12 @@ func TestWorkerReadyzFollowsNATS(t *testing.T) {
 	db := testsvc.NewDatabase(t)
 	n := testsvc.StartNATS(t)
 	require.False(t, n.External(), "this test stops NATS: unset %s", testsvc.EnvNATSURL)
-	addr := freeAddr(t)
 	agent := startChild(t, "echoagent", agentBin, []string{config.EnvDatabaseURL + "=" + db.RoleURL(testsvc.RoleWorker),
-		config.EnvNATSURL + "=" + n.URL(), config.EnvMetricsAddr + "=" + addr})
+		config.EnvNATSURL + "=" + n.URL(), config.EnvMetricsAddr + "=" + opsserver.AnyPort})
 	agent.await(t, "echoagent started")
+	agent.await(t, opsserver.MetricsListening) // the line with the address the system picked
+	addr, ok := loggedAddr(agent.stderr.String(), opsserver.MetricsListening)
+	require.True(t, ok, "no address in the echo agent's log:\n%s", agent.stderr.String())
 	probe := func(path string) (int, string) {
 		resp, err := http.Get("http://" + addr + path) //nolint:noctx // a probe with the client's timeout
 		if err != nil {

@@ -165,10 +165,10 @@ ready, for --fatal-linger when --metrics-addr is set, and exits 1; SIGTERM exits
 		return err
 	})
 	if cfg.MetricsAddr != "" {
-		g.Go(func() error { return opsserver.Serve(gctx, cfg.MetricsAddr, reg, r.Ready) })
+		g.Go(func() error { return opsserver.Serve(gctx, log, cfg.MetricsAddr, reg, r.Ready) })
 	}
 	if cfg.PprofAddr != "" {
-		g.Go(func() error { return opsserver.ServePprof(gctx, cfg.PprofAddr) })
+		g.Go(func() error { return opsserver.ServePprof(gctx, log, cfg.PprofAddr) })
 	}
 	if err := g.Wait(); err != nil && !errors.Is(err, errStopped) {
 		var logged loggedError

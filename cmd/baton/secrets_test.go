@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -21,6 +20,7 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/stretchr/testify/require"
 
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/internal/testsvc"
 	"github.com/batonhq/baton/internal/throwaway"
 	"github.com/batonhq/baton/migrations"
@@ -54,7 +54,8 @@ func startSecretServers(t *testing.T) *secretServers {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
-	pg, err := testsvc.StartPostgresWith(ctx, throwaway.PostgresOptions{HBA: []string{
+	// On TCP: the URLs below name a host and port, as users write them.
+	pg, err := testsvc.StartPostgresWith(ctx, throwaway.PostgresOptions{TCP: true, HBA: []string{
 		"host all app 127.0.0.1/32 scram-sha-256",
 		"host replication app 127.0.0.1/32 scram-sha-256",
 	}})
@@ -67,7 +68,7 @@ func startSecretServers(t *testing.T) *secretServers {
 	require.NoError(t, err)
 	_, err = admin.Exec(ctx, "CREATE DATABASE appdb OWNER app")
 	require.NoError(t, err)
-	appConn, err := pgx.Connect(ctx, fmt.Sprintf("postgres://postgres@127.0.0.1:%d/appdb?sslmode=disable", pg.Port))
+	appConn, err := pgx.Connect(ctx, pg.URL("appdb"))
 	require.NoError(t, err)
 	_, err = migrations.Up(ctx, appConn)
 	_ = appConn.Close(ctx)
@@ -83,7 +84,7 @@ func startSecretServers(t *testing.T) *secretServers {
 	s.natsPW = startAuthNATS(t, &server.Options{Username: "app", Password: goodPW})
 	s.natsToken = startAuthNATS(t, &server.Options{Authorization: goodToken})
 
-	s.closed = freeAddr(t)
+	s.closed = testsvc.RefusingAddr(t)
 	return s
 }
 
@@ -131,9 +132,10 @@ type program struct {
 	// URLs and is stopped with SIGTERM (relays and workers retry a server that is away for
 	// ever, by design). Without it the program must exit on its own.
 	until string
-	// metricsAddr, when set, is the program's BATON_METRICS_ADDR: once until shows, what it
-	// serves there (/metrics, /healthz, /readyz) counts as output too.
-	metricsAddr string
+	// metrics says the program serves metrics on a port the system picks
+	// (BATON_METRICS_ADDR=127.0.0.1:0, in env) and logs where (opsserver.MetricsListening):
+	// once until shows, what it serves there (/metrics, /healthz, /readyz) counts as output too.
+	metrics bool
 }
 
 // runLimit bounds each run: a program given bad credentials or an unreachable server must
@@ -174,7 +176,7 @@ func runProgram(t *testing.T, p program) string {
 			return out.String()
 		case <-tick.C:
 			if p.until != "" && strings.Contains(out.String(), p.until) {
-				served := scrape(t, p)
+				served := scrape(t, p, &out)
 				stop()
 				return out.String() + served
 			}
@@ -187,18 +189,29 @@ func runProgram(t *testing.T, p program) string {
 	}
 }
 
-// scrape returns what p serves on its metrics address, or "" when it has none. The listener
-// may come up just after the output p awaited: each path is tried for up to 10s. It runs
-// outside the test's goroutine, so it reports with t.Errorf.
-func scrape(t *testing.T, p program) string {
+// scrape returns what p serves on its metrics address, or "" when it has none. The address is
+// the one p logged in out; the line may come just after the output p awaited, and is waited
+// for up to 10s. It runs outside the test's goroutine, so it reports with t.Errorf.
+func scrape(t *testing.T, p program, out *testsvc.Buffer) string {
 	t.Helper()
-	if p.metricsAddr == "" {
+	if !p.metrics {
+		return ""
+	}
+	addr, ok := "", false
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if addr, ok = loggedAddr(out.String(), opsserver.MetricsListening); ok || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond) // the program logs the line as it binds
+	}
+	if !ok {
+		t.Errorf("%s: did not log %q within 10s", p.name, opsserver.MetricsListening)
 		return ""
 	}
 	var served strings.Builder
 	client := &http.Client{Timeout: 5 * time.Second}
 	get := func(path string) ([]byte, error) {
-		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+p.metricsAddr+path, nil)
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+addr+path, nil)
 		if err != nil {
 			return nil, err
 		}
@@ -209,32 +222,18 @@ func scrape(t *testing.T, p program) string {
 		defer func() { _ = resp.Body.Close() }()
 		return io.ReadAll(resp.Body)
 	}
+	// The program logs the address once it listens there: no retry for a listener not up yet.
 	for _, path := range []string{"/metrics", "/healthz", "/readyz"} {
-		deadline := time.Now().Add(10 * time.Second)
 		body, err := get(path)
-		for ; err != nil && time.Now().Before(deadline); body, err = get(path) {
-			time.Sleep(20 * time.Millisecond) // the listener is not up yet
-		}
 		if err != nil {
 			t.Errorf("%s: GET %s: %v", p.name, path, err)
 		}
 		served.Write(body)
 	}
 	if !strings.Contains(served.String(), "# TYPE") {
-		t.Errorf("%s: %s/metrics served no metrics", p.name, p.metricsAddr)
+		t.Errorf("%s: %s/metrics served no metrics", p.name, addr)
 	}
 	return served.String()
-}
-
-// freeAddr returns a 127.0.0.1 address nothing listens on.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	var lc net.ListenConfig
-	l, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := l.Addr().String()
-	require.NoError(t, l.Close())
-	return addr
 }
 
 // testEnv is this process's environment without BATON_* (the tests set what they use) and
@@ -336,15 +335,14 @@ func TestSecretsNeverReachOutput(t *testing.T) {
 	} {
 		env := []string{"BATON_DATABASE_URL=" + u.db, "BATON_NATS_URL=" + u.nats, "BATON_LOG_LEVEL=debug", "BATON_SLOT=secrets_" + strconv.Itoa(len(runs))}
 		name := "accepted " + u.name + ": "
-		relayMetrics, workerMetrics := freeAddr(t), freeAddr(t)
 		runs = append(runs,
 			program{name: name + "migrate", bin: baton, args: []string{"migrate"}, env: env},
 			program{name: name + "status", bin: baton, args: []string{"status"}, env: env},
 			program{name: name + "status --json", bin: baton, args: []string{"status", "--json"}, env: env},
-			program{name: name + "relay", bin: baton, args: []string{"relay"}, env: slices.Concat(env, []string{"BATON_METRICS_ADDR=" + relayMetrics}),
-				until: "msg=streaming", metricsAddr: relayMetrics},
-			program{name: name + "echoagent", bin: echoagent, env: slices.Concat(env, []string{"BATON_METRICS_ADDR=" + workerMetrics}),
-				until: "echoagent started", metricsAddr: workerMetrics},
+			program{name: name + "relay", bin: baton, args: []string{"relay"}, env: slices.Concat(env, []string{"BATON_METRICS_ADDR=" + opsserver.AnyPort}),
+				until: "msg=streaming", metrics: true},
+			program{name: name + "echoagent", bin: echoagent, env: slices.Concat(env, []string{"BATON_METRICS_ADDR=" + opsserver.AnyPort}),
+				until: "echoagent started", metrics: true},
 			// The last BATON_SLOT wins: the demo's relay has a slot of its own.
 			program{name: name + "demo", bin: baton, args: []string{"demo", "--messages", "1", "--conversations", "1"},
 				env: slices.Concat(env, []string{"BATON_SLOT=demo_" + strconv.Itoa(len(runs))})},
@@ -401,4 +399,15 @@ func batonRuns(name, baton string, env []string, relayUntil string) []program {
 		{name: name + "version", bin: baton, args: []string{"version"}, env: env},
 		{name: name + "usage error", bin: baton, args: []string{"status", "--no-such-flag"}, env: env},
 	}
+}
+
+// loggedAddr returns the address of the first line of output, a program's log, that says
+// where it listens for msg (opsserver.ListeningAddr).
+func loggedAddr(output, msg string) (string, bool) {
+	for line := range strings.SplitSeq(output, "\n") {
+		if addr, ok := opsserver.ListeningAddr(line, msg); ok {
+			return addr, true
+		}
+	}
+	return "", false
 }

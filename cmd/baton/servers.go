@@ -18,19 +18,24 @@ import (
 // cfg.DatabaseURL to it; otherwise it prints the server it uses and using, what the command
 // does there. stop stops and removes the cluster (a no-op when none was started); call it on
 // every path once err is nil. noPostgres makes the error for missing server binaries.
-func localPostgres(ctx context.Context, cfg *config.Config, using string, noPostgres func(error) error,
+func localPostgres(ctx context.Context, cfg *config.Config, opts throwaway.PostgresOptions, using string, noPostgres func(error) error,
 	out io.Writer) (stop func() error, err error) {
 	if cfg.DatabaseURL != "" {
 		fmt.Fprintf(out, "using the PostgreSQL at %s (BATON_DATABASE_URL): %s\n", config.Redact(cfg.DatabaseURL), using)
 		return func() error { return nil }, nil
 	}
 	fmt.Fprintf(out, "starting a throwaway PostgreSQL cluster (BATON_DATABASE_URL is not set)\n")
-	pg, err := throwaway.StartPostgres(ctx)
+	pg, err := throwaway.StartPostgresWith(ctx, opts)
 	if err != nil {
 		return nil, noPostgres(err)
 	}
-	cfg.DatabaseURL = pg.URL("postgres")
-	fmt.Fprintf(out, "  PostgreSQL on 127.0.0.1:%d, data in %s (removed on exit)\n", pg.Port, pg.Dir)
+	if pg.TCP {
+		cfg.DatabaseURL = pg.TCPURL("postgres")
+		fmt.Fprintf(out, "  PostgreSQL on 127.0.0.1:%d, data in %s (removed on exit)\n", pg.Port, pg.Dir)
+	} else {
+		cfg.DatabaseURL = pg.URL("postgres")
+		fmt.Fprintf(out, "  PostgreSQL on a Unix socket (psql -h %s -U postgres), data in %s (removed on exit)\n", pg.Dir, pg.Dir)
+	}
 	return func() error {
 		if err := pg.Close(); err != nil {
 			return fmt.Errorf("remove the throwaway PostgreSQL: %w", err)

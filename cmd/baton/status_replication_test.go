@@ -19,6 +19,7 @@ import (
 
 	"github.com/batonhq/baton/internal/statusreport"
 	"github.com/batonhq/baton/internal/testsvc"
+	"github.com/batonhq/baton/internal/throwaway"
 	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/relay"
 )
@@ -40,7 +41,8 @@ func TestStatusRelayReplicationAccess(t *testing.T) {
 	basebackup := pgBasebackup(t)
 
 	// A cluster of the test's own: roles.sql's roles keep their names, and pg_hba.conf is ours.
-	pg, err := testsvc.StartPostgres(ctx)
+	// On TCP: the host lines are what this is about.
+	pg, err := testsvc.StartPostgresWith(ctx, throwaway.PostgresOptions{TCP: true})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, pg.Close()) })
 	admin, err := pgx.Connect(ctx, pg.URL("postgres"))

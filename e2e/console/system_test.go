@@ -2,7 +2,6 @@ package console
 
 import (
 	"context"
-	"net"
 	"net/http"
 	"testing"
 	"time"
@@ -19,7 +18,7 @@ type system struct {
 	db      *testsvc.Database
 	natsURL string
 	console *testsvc.Process
-	addr    string // the console's host:port, the same across restarts
+	addr    string // the console's host:port, the same across restarts (reservedAddr)
 }
 
 // options change what start builds.
@@ -31,7 +30,7 @@ type options struct {
 // start brings up the system and waits until the console answers.
 func start(t *testing.T, o options) *system {
 	t.Helper()
-	s := &system{t: t, db: testsvc.NewDatabase(t), natsURL: testsvc.StartNATS(t).URL(), addr: freeAddr(t)}
+	s := &system{t: t, db: testsvc.NewDatabase(t), natsURL: testsvc.StartNATS(t).URL(), addr: testsvc.ReservedAddr(t)}
 	bins := testsvc.Binaries(t, "github.com/batonhq/baton/cmd/baton", "github.com/batonhq/baton/examples/echoagent")
 	s.startProcess("relay", testsvc.RoleRelay, bins[0], "relay")
 	s.startProcess("echoagent", testsvc.RoleWorker, bins[1], o.agentArgs...)
@@ -43,11 +42,14 @@ func start(t *testing.T, o options) *system {
 // url returns the console's address for path.
 func (s *system) url(path string) string { return "http://" + s.addr + path }
 
-// awaitConsole waits until the console answers /healthz.
+// awaitConsole waits until the console says it listens, on the system's address, and answers
+// /healthz.
 func (s *system) awaitConsole(within time.Duration) {
 	t := s.t
 	t.Helper()
 	deadline := time.Now().Add(within)
+	line := s.console.WaitLog(t, "console on ", within)
+	require.Contains(t, line, "console on http://"+s.addr+"/", "the console listens elsewhere than on the address it was given")
 	for {
 		resp, err := http.Get(s.url("/healthz")) //nolint:noctx // bounded by the loop's deadline and the client's default dial timeout
 		if err == nil {
@@ -75,17 +77,6 @@ func (s *system) restartConsole() {
 func (s *system) stopConsole() {
 	s.t.Helper()
 	require.NoError(s.t, s.console.Stop(30*time.Second))
-}
-
-// freeAddr returns a loopback address with a port free now.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	var lc net.ListenConfig
-	ln, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := ln.Addr().String()
-	require.NoError(t, ln.Close())
-	return addr
 }
 
 // startProcess starts bin with args on the system's database, logged in as role (as deployed),

@@ -210,7 +210,7 @@ func run(ctx context.Context) error {
 		return errStopped // stop the metrics server too
 	})
 	if cfg.MetricsAddr != "" {
-		g.Go(func() error { return serveMetrics(gctx, cfg.MetricsAddr, reg, w.Ready) })
+		g.Go(func() error { return serveMetrics(gctx, log, cfg.MetricsAddr, reg, w.Ready) })
 	}
 	if err := g.Wait(); err != nil && !errors.Is(err, errStopped) {
 		return err
@@ -224,8 +224,8 @@ var errStopped = errors.New("stopped")
 
 // serveMetrics serves Prometheus metrics at /metrics and the probes /healthz ("ok" while the
 // process runs) and /readyz ("ok" while ready, consumer.Worker.Ready, else 503 and why) on
-// addr until ctx ends.
-func serveMetrics(ctx context.Context, addr string, reg *prometheus.Registry, ready func(context.Context) error) error {
+// addr until ctx ends, logging the address it bound ("metrics listening", addr).
+func serveMetrics(ctx context.Context, log *slog.Logger, addr string, reg *prometheus.Registry, ready func(context.Context) error) error {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
@@ -238,14 +238,21 @@ func serveMetrics(ctx context.Context, addr string, reg *prometheus.Registry, re
 		}
 		_, _ = w.Write([]byte("ok\n"))
 	})
-	srv := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", addr)
+	if err != nil {
+		return fmt.Errorf("metrics listener: %w", err)
+	}
+	// With port 0 the system picks a free port: the log line says which.
+	log.Info("metrics listening", "addr", ln.Addr().String())
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	stop := context.AfterFunc(ctx, func() {
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = srv.Shutdown(sctx)
 	})
 	defer stop()
-	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
+	if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
 		return fmt.Errorf("metrics server: %w", err)
 	}
 	return nil

@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/migrations"
 	"github.com/batonhq/baton/wire"
 )
@@ -290,17 +291,46 @@ func (e *env) prepareRelaySlot(ctx context.Context, slot, prefix string) error {
 	return waitSlotsIdle(ctx, e.pool)
 }
 
-// freeAddr returns a free loopback address host:port.
-func freeAddr(ctx context.Context) (string, error) {
-	l, err := (&net.ListenConfig{}).Listen(ctx, "tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", fmt.Errorf("find a free port: %w", err)
+// listenAddr waits until p logged where it listens for msg (opsserver.MetricsListening or
+// opsserver.PprofListening), for at most within, and returns that address. The relay logs the
+// line as it starts, among its first: call this right after starting it, while the line is
+// still among the last ones p keeps (process.tail).
+func (p *process) listenAddr(ctx context.Context, msg string, within time.Duration) (string, error) {
+	deadline := time.NewTimer(within)
+	defer deadline.Stop()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if addr, ok := p.loggedAddr(msg); ok {
+			return addr, nil
+		}
+		select {
+		case <-p.exited:
+			if addr, ok := p.loggedAddr(msg); ok {
+				return addr, nil
+			}
+			return "", fmt.Errorf("%s exited before logging %q: %s", p.name, msg, p.logTail())
+		case <-deadline.C:
+			return "", fmt.Errorf("%s did not log %q within %v: %s", p.name, msg, within, p.logTail())
+		case <-ctx.Done():
+			return "", ctx.Err()
+		case <-tick.C:
+		}
 	}
-	addr := l.Addr().String()
-	if err := l.Close(); err != nil {
-		return "", fmt.Errorf("find a free port: %w", err)
+}
+
+// loggedAddr returns the address of the line among the last ones p logged that says where it
+// listens for msg, in the text format childEnvFor sets: msg="metrics listening"
+// addr=127.0.0.1:41234.
+func (p *process) loggedAddr(msg string) (string, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, line := range p.tail {
+		if addr, ok := opsserver.ListeningAddr(line, msg); ok {
+			return addr, true
+		}
 	}
-	return addr, nil
+	return "", false
 }
 
 // selfCPU returns the CPU seconds this process used so far.

@@ -16,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/producer"
 	"github.com/batonhq/baton/wire"
 )
@@ -54,10 +55,7 @@ func (r *runner) latencyRun(ctx context.Context, round, rate int, c string) erro
 	var metricsAddr string
 	var err error
 	if c == cRelay {
-		if metricsAddr, err = freeAddr(ctx); err != nil {
-			return err
-		}
-		p, err = e.startRelay(ctx, slot, prefix, "BATON_METRICS_ADDR="+metricsAddr)
+		p, err = e.startRelay(ctx, slot, prefix, "BATON_METRICS_ADDR="+opsserver.AnyPort)
 	} else {
 		if err := createBareSlot(ctx, e.pool, slot); err != nil {
 			return err
@@ -68,6 +66,11 @@ func (r *runner) latencyRun(ctx context.Context, round, rate int, c string) erro
 		return err
 	}
 	defer p.stop(stopGrace)
+	if c == cRelay {
+		if metricsAddr, err = p.listenAddr(ctx, opsserver.MetricsListening, startTimeout); err != nil {
+			return err
+		}
+	}
 	if err := p.waitStreaming(ctx, startTimeout); err != nil {
 		return err
 	}

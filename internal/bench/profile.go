@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pglogrepl"
 
+	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/wire"
 )
 
@@ -31,15 +32,15 @@ func (r *runner) profileRelay(ctx context.Context, b backlog, s slotFor, end pgl
 	if m := float64(r.rep.Figures[b.key+"."+cRelay+".start_to_stored_s"].Median); !math.IsNaN(m) {
 		secs = math.Ceil(1.25*m) + 1
 	}
-	addr, err := freeAddr(ctx)
-	if err != nil {
-		return err
-	}
-	p, err := e.startRelay(ctx, s.slot, s.prefix, "BATON_PPROF_ADDR="+addr)
+	p, err := e.startRelay(ctx, s.slot, s.prefix, "BATON_PPROF_ADDR="+opsserver.AnyPort)
 	if err != nil {
 		return err
 	}
 	defer p.stop(stopGrace)
+	addr, err := p.listenAddr(ctx, opsserver.PprofListening, startTimeout)
+	if err != nil {
+		return err
+	}
 	if err := p.waitStreaming(ctx, startTimeout); err != nil {
 		return err
 	}
@@ -74,23 +75,17 @@ func (r *runner) profileRelay(ctx context.Context, b backlog, s slotFor, end pgl
 	return e.deleteStreams(ctx, s.prefix)
 }
 
-// fetchProfile takes a CPU profile of secs seconds from the pprof listener at addr.
+// fetchProfile takes a CPU profile of secs seconds from the pprof listener at addr, which the
+// relay logged once it listened there.
 func fetchProfile(ctx context.Context, addr string, secs int) ([]byte, error) {
 	url := fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", addr, secs)
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return nil, err
 	}
-	// The listener starts next to the relay; give it a moment when the first try is refused.
-	var resp *http.Response
-	for deadline := time.Now().Add(5 * time.Second); ; {
-		resp, err = http.DefaultClient.Do(req)
-		if err == nil {
-			break
-		}
-		if time.Now().After(deadline) || sleepCtx(ctx, 20*time.Millisecond) != nil {
-			return nil, fmt.Errorf("fetch the relay's CPU profile: %w", err)
-		}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("fetch the relay's CPU profile: %w", err)
 	}
 	defer func() { _ = resp.Body.Close() }()
 	data, err := io.ReadAll(resp.Body)

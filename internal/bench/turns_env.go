@@ -83,7 +83,8 @@ func startTurnsEnv(ctx context.Context, cfg *TurnsConfig) (_ *turnsEnv, err erro
 
 	if e.databaseURL == "" {
 		e.progressf("starting a throwaway PostgreSQL cluster (no BATON_DATABASE_URL)\n")
-		pg, err := throwaway.StartPostgres(startCtx)
+		// On TCP, as workers reach their database in production.
+		pg, err := throwaway.StartPostgresWith(startCtx, throwaway.PostgresOptions{TCP: true})
 		if errors.Is(err, throwaway.ErrNoPostgres) {
 			return nil, ErrTurnsNoPostgres
 		}
@@ -96,7 +97,7 @@ func startTurnsEnv(ctx context.Context, cfg *TurnsConfig) (_ *turnsEnv, err erro
 			}
 			return nil
 		})
-		e.databaseURL = pg.URL("postgres")
+		e.databaseURL = pg.TCPURL("postgres")
 		e.postgres = fmt.Sprintf("throwaway cluster on 127.0.0.1:%d (fsync off)", pg.Port)
 	} else {
 		e.postgres = config.Redact(e.databaseURL)

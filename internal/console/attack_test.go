@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/url"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -167,11 +166,8 @@ func TestAttackShutdownWithStalledStream(t *testing.T) {
 func TestAttackSendHangsWhenPostgresStalls(t *testing.T) {
 	t.Parallel()
 	db := testsvc.NewDatabase(t)
-	u, err := url.Parse(db.URL)
-	require.NoError(t, err)
-	proxy := testsvc.StartProxy(t, u.Host)
-	u.Host = proxy.Addr()
-	pool, err := pgxpool.New(context.Background(), u.String())
+	proxy, proxied := testsvc.ProxyPostgres(t, db.URL)
+	pool, err := pgxpool.New(context.Background(), proxied)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	e := serve(t, &testEnv{db: db}, Config{Pool: pool})

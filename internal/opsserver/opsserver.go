@@ -5,13 +5,17 @@ package opsserver
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/pprof"
 	"runtime"
 	"runtime/debug"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -59,13 +63,55 @@ func buildInfo() prometheus.Collector {
 }
 
 // Serve listens on addr until ctx ends. /readyz answers 200 while ready returns true, else 503.
-func Serve(ctx context.Context, addr string, reg *prometheus.Registry, ready func() bool) error {
+// It logs the address it bound ("metrics listening", addr): with port 0 the system picks a
+// free one, and a test or a supervisor reads it there instead of choosing a port for it.
+func Serve(ctx context.Context, log *slog.Logger, addr string, reg *prometheus.Registry, ready func() bool) error {
 	var lc net.ListenConfig
 	ln, err := lc.Listen(ctx, "tcp", addr)
 	if err != nil {
 		return fmt.Errorf("metrics listener: %w", err)
 	}
+	log.Info(MetricsListening, "addr", ln.Addr().String())
 	return ServeListener(ctx, ln, reg, ready)
+}
+
+// MetricsListening and PprofListening are the messages of the log lines that give the
+// addresses Serve and ServePprof bound, in their "addr" attribute (see ListeningAddr).
+const (
+	MetricsListening = "metrics listening"
+	PprofListening   = "pprof listening"
+)
+
+// AnyPort is the address to give a process whose metrics (or profiles) a supervisor or test
+// scrapes: the system picks a free port as the process binds it, and the process logs which
+// (ListeningAddr reads it). A port picked by the supervisor and released before the process
+// bound it could be given to another listener meanwhile, whose answers the scrape would read.
+const AnyPort = "127.0.0.1:0"
+
+// ListeningAddr returns the address in line when it is the log line, in slog's text format
+// (msg="metrics listening" addr=127.0.0.1:41234) or JSON ("msg":"metrics listening",
+// "addr":"127.0.0.1:41234"), in which a process says where it listens for msg.
+func ListeningAddr(line, msg string) (string, bool) {
+	if strings.HasPrefix(line, "{") {
+		var rec struct{ Msg, Addr string }
+		if json.Unmarshal([]byte(line), &rec) != nil || rec.Msg != msg {
+			return "", false
+		}
+		return rec.Addr, rec.Addr != ""
+	}
+	_, attrs, ok := strings.Cut(line, " msg="+strconv.Quote(msg)+" ")
+	if !ok {
+		return "", false
+	}
+	_, addr, ok := strings.Cut(" "+attrs, " addr=")
+	if !ok {
+		return "", false
+	}
+	addr, _, _ = strings.Cut(addr, " ")
+	if unquoted, err := strconv.Unquote(addr); err == nil {
+		addr = unquoted
+	}
+	return addr, addr != ""
 }
 
 // ServeListener is Serve on an open listener, which it closes.
@@ -88,12 +134,13 @@ func ServeListener(ctx context.Context, ln net.Listener, reg *prometheus.Registr
 // ServePprof serves Go's profiles (net/http/pprof) at /debug/pprof/ on addr until ctx ends.
 // It is a listener apart from Serve's: profiles show code paths and memory contents, and
 // metrics are often scraped across the network.
-func ServePprof(ctx context.Context, addr string) error {
+func ServePprof(ctx context.Context, log *slog.Logger, addr string) error {
 	var lc net.ListenConfig
 	ln, err := lc.Listen(ctx, "tcp", addr)
 	if err != nil {
 		return fmt.Errorf("pprof listener: %w", err)
 	}
+	log.Info(PprofListening, "addr", ln.Addr().String())
 	return servePprof(ctx, ln)
 }
 

@@ -100,3 +100,23 @@ func TestStopWithSpareConnection(t *testing.T) {
 		t.Fatal("the metrics server did not stop within 3s: the spare connection held it")
 	}
 }
+
+func TestListeningAddr(t *testing.T) {
+	for _, tc := range []struct {
+		line, want string
+		ok         bool
+	}{
+		{`time=2026-12-03T18:00:00Z level=INFO msg="metrics listening" addr=127.0.0.1:41234`, "127.0.0.1:41234", true},
+		{`time=2026-12-03T18:00:00Z level=INFO msg="metrics listening" addr=127.0.0.1:41234 more=x`, "127.0.0.1:41234", true},
+		{`time=2026-12-03T18:00:00Z level=INFO msg="metrics listening" addr="[::1]:41234"`, "[::1]:41234", true},
+		{`{"time":"2026-12-03T18:00:00Z","level":"INFO","msg":"metrics listening","addr":"127.0.0.1:41234"}`, "127.0.0.1:41234", true},
+		{`{"time":"2026-12-03T18:00:00Z","level":"INFO","msg":"pprof listening","addr":"127.0.0.1:41234"}`, "", false},
+		{`time=2026-12-03T18:00:00Z level=INFO msg="pprof listening" addr=127.0.0.1:41234`, "", false},
+		{`time=2026-12-03T18:00:00Z level=INFO msg="metrics listening"`, "", false},
+		{`time=2026-12-03T18:00:00Z level=INFO msg=streaming addr=127.0.0.1:1`, "", false},
+	} {
+		addr, ok := ListeningAddr(tc.line, MetricsListening)
+		require.Equal(t, tc.ok, ok, tc.line)
+		require.Equal(t, tc.want, addr, tc.line)
+	}
+}

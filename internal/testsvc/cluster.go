@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -33,14 +34,15 @@ type Cluster struct {
 type ClusterNode struct {
 	// Name is the server name: what StreamInfo.Cluster.Leader and its replicas report.
 	Name string
-	// Port is the client port, ClusterPort the route port; both stay across Stop and Start.
+	// Port is the client port, ClusterPort the route port: free ones the node bound when it
+	// first started (0 before), the same across Stop and Start.
 	Port, ClusterPort int
 	// StoreDir is where the node keeps its streams and its Raft logs.
 	StoreDir string
 
-	routes   []*url.URL
 	noAdvert bool
 	mu       sync.Mutex
+	routes   []*url.URL     // the other nodes' route URLs, once the cluster has started
 	srv      *server.Server // nil when stopped
 }
 
@@ -55,34 +57,48 @@ func NoAdvertise() ClusterOption { return func(n *ClusterNode) { n.noAdvert = tr
 // StartCluster starts a cluster of n nodes (3 for replicated streams that survive one node's
 // loss) and waits until it has elected a JetStream meta leader; the cluster stops when the
 // test ends. It ignores BATON_TEST_NATS_URL: a test that stops nodes needs nodes of its own.
+//
+// Every node binds free ports itself and reports them (no port is chosen first and bound
+// later, when another listener may have been given it), so the nodes start one after another,
+// each routed to the ones before it: every pair of nodes has a route, the full mesh. Once all
+// run, each node is given routes to all the others, for when it starts again.
 func StartCluster(t testing.TB, n int, opts ...ClusterOption) *Cluster {
 	t.Helper()
 	c := &Cluster{}
-	ports := freePorts(t, 2*n)
 	for i := range n {
-		node := &ClusterNode{
-			Name:        fmt.Sprintf("baton-n%d", i),
-			Port:        ports[2*i],
-			ClusterPort: ports[2*i+1],
-			StoreDir:    t.TempDir(),
-		}
+		node := &ClusterNode{Name: fmt.Sprintf("baton-n%d", i), StoreDir: t.TempDir()}
 		for _, o := range opts {
 			o(node)
 		}
 		c.Nodes = append(c.Nodes, node)
 	}
-	for _, node := range c.Nodes {
-		for _, other := range c.Nodes {
-			if other != node {
-				node.routes = append(node.routes, &url.URL{Scheme: "nats", Host: fmt.Sprintf("127.0.0.1:%d", other.ClusterPort)})
-			}
-		}
-	}
+	// Cleanups run last first: the nodes stop before the seed closes, and before their store
+	// directories, made above, are removed.
+	seed := routeSeed(t)
 	t.Cleanup(c.StopAll)
-	for _, node := range c.Nodes {
+	for i, node := range c.Nodes {
+		for _, prev := range c.Nodes[:i] {
+			node.routes = append(node.routes, prev.routeURL())
+		}
+		if i == 0 {
+			node.routes = []*url.URL{seed}
+		}
 		if err := node.Start(); err != nil {
 			t.Fatalf("start %s: %v", node.Name, err)
 		}
+	}
+	// A node started again routes to all the others itself, whichever of them still run; the
+	// first one no longer needs the seed.
+	for _, node := range c.Nodes {
+		var routes []*url.URL
+		for _, other := range c.Nodes {
+			if other != node {
+				routes = append(routes, other.routeURL())
+			}
+		}
+		node.mu.Lock()
+		node.routes = routes
+		node.mu.Unlock()
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
@@ -92,21 +108,34 @@ func StartCluster(t testing.TB, n int, opts ...ClusterOption) *Cluster {
 	return c
 }
 
-// freePorts returns n loopback ports no one listens on now. They are held open together so
-// that they differ, then released for the servers.
-func freePorts(t testing.TB, n int) []int {
+// routeSeed returns the route URL of a listener that takes route connections and closes them
+// at once. JetStream in a cluster refuses to start without a route configured, and the first
+// node has no other node to route to yet: it is given this one, and keeps trying it while it
+// runs. The listener stays until the test's end, after the nodes stop: its port, let go, could
+// be given to a node of another test's cluster, of the same cluster name, which the first node
+// would then join.
+func routeSeed(t testing.TB) *url.URL {
 	t.Helper()
 	var lc net.ListenConfig
-	var ports []int
-	for range n {
-		ln, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatalf("free port: %v", err)
-		}
-		defer func() { _ = ln.Close() }()
-		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+	ln, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("route seed: listen: %v", err)
 	}
-	return ports
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return // closed
+			}
+			_ = conn.Close()
+		}
+	})
+	t.Cleanup(func() {
+		_ = ln.Close()
+		wg.Wait()
+	})
+	return &url.URL{Scheme: "nats", Host: ln.Addr().String()}
 }
 
 // URLs returns the client URLs of every node, comma-separated, as BATON_NATS_URL takes them.
@@ -221,6 +250,11 @@ func (c *Cluster) AwaitStreamReplicas(ctx context.Context, js jetstream.JetStrea
 // URL returns the node's client URL.
 func (n *ClusterNode) URL() string { return fmt.Sprintf("nats://127.0.0.1:%d", n.Port) }
 
+// routeURL is the URL other nodes route to this one at.
+func (n *ClusterNode) routeURL() *url.URL {
+	return &url.URL{Scheme: "nats", Host: fmt.Sprintf("127.0.0.1:%d", n.ClusterPort)}
+}
+
 // Running reports whether the node runs.
 func (n *ClusterNode) Running() bool { return n.server() != nil }
 
@@ -230,50 +264,141 @@ func (n *ClusterNode) server() *server.Server {
 	return n.srv
 }
 
-// Start starts the node on its ports and store directory and waits until it accepts clients.
-// A node started again recovers its streams and catches up with the cluster's leaders.
+const (
+	// readyTimeout bounds how long one start of a server waits for it to listen.
+	readyTimeout = 30 * time.Second
+	// readyPoll is how long each readiness check waits: ReadyForConnections sits out its whole
+	// duration once a listener failed, so it is asked in short slices, between which a
+	// failure the server reported ends the start at once.
+	readyPoll = 100 * time.Millisecond
+	// bindTimeout bounds how long a node started again keeps trying while another listener
+	// holds one of its ports; bindRetryWait is the pause between tries.
+	bindTimeout   = time.Minute
+	bindRetryWait = 250 * time.Millisecond
+)
+
+// Start starts the node on its store directory and waits until it accepts clients. The first
+// time, the node binds free ports and Port and ClusterPort report them; after Stop it binds
+// those again. One of them may have been given to another listener meanwhile (a test's proxy
+// listening on port 0): while a port is in use, Start tries again, for up to bindTimeout, and
+// then fails naming the port. A node started again recovers its streams and catches up with
+// the cluster's leaders.
 func (n *ClusterNode) Start() error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if n.srv != nil {
 		return fmt.Errorf("%s already running", n.Name)
 	}
-	srv, err := server.NewServer(&server.Options{
-		ServerName: n.Name,
-		Host:       "127.0.0.1",
-		Port:       n.Port,
-		JetStream:  true,
-		StoreDir:   n.StoreDir,
-		// sync_interval: always.
-		SyncAlways:   true,
-		SyncInterval: 2 * time.Minute,
-		Cluster: server.ClusterOpts{
-			Name:        ClusterName,
-			Host:        "127.0.0.1",
-			Port:        n.ClusterPort,
-			NoAdvertise: n.noAdvert,
-		},
-		Routes: n.routes,
-		NoSigs: true,
-		NoLog:  true,
-	})
-	if err != nil {
-		return fmt.Errorf("nats server %s: %w", n.Name, err)
+	port, clusterPort := n.Port, n.ClusterPort
+	if port == 0 {
+		port, clusterPort = -1, -1 // the server's "any free port"; its 0 means a default port
 	}
-	go srv.Start()
-	if !srv.ReadyForConnections(30 * time.Second) {
-		srv.Shutdown()
-		srv.WaitForShutdown()
-		return errors.New("nats server " + n.Name + " not ready after 30s")
+	deadline := time.Now().Add(bindTimeout)
+	for {
+		// Options of its own for every try: the server rewrites the ones it is given.
+		srv, err := startServer(&server.Options{
+			ServerName: n.Name,
+			Host:       "127.0.0.1",
+			Port:       port,
+			JetStream:  true,
+			StoreDir:   n.StoreDir,
+			// sync_interval: always.
+			SyncAlways:   true,
+			SyncInterval: 2 * time.Minute,
+			Cluster: server.ClusterOpts{
+				Name:        ClusterName,
+				Host:        "127.0.0.1",
+				Port:        clusterPort,
+				NoAdvertise: n.noAdvert,
+			},
+			Routes: n.routes,
+			NoSigs: true,
+			NoLog:  true,
+		})
+		if err == nil {
+			n.srv = srv
+			if n.Port == 0 { // written once: tests read them while the node restarts
+				n.Port, n.ClusterPort = srv.Addr().(*net.TCPAddr).Port, srv.ClusterAddr().Port
+			}
+			return nil
+		}
+		if !errors.Is(err, syscall.EADDRINUSE) {
+			return fmt.Errorf("nats server %s: %w", n.Name, err)
+		}
+		if time.Now().After(deadline) {
+			// err names the port: "Error listening on [router] port: ...: address already in use".
+			return fmt.Errorf("nats server %s: its port still in use after %s: %w", n.Name, bindTimeout, err)
+		}
+		time.Sleep(bindRetryWait) // nothing tells when the other listener lets go
 	}
-	n.srv = srv
-	return nil
 }
+
+// startServer starts a server with opts and waits until it accepts clients and routes. A
+// server that failed to start (a listener, JetStream) is shut down, and its error returned.
+func startServer(opts *server.Options) (*server.Server, error) {
+	srv, err := server.NewServer(opts)
+	if err != nil {
+		return nil, err
+	}
+	fatal := make(chan error, 1)
+	srv.SetLogger(fatalLogger(fatal), false, false)
+	go srv.Start()
+	deadline := time.Now().Add(readyTimeout)
+	for !srv.ReadyForConnections(readyPoll) {
+		select {
+		case err = <-fatal:
+		default:
+			if time.Now().After(deadline) {
+				err = fmt.Errorf("not ready after %s", readyTimeout)
+			}
+		}
+		if err != nil {
+			srv.Shutdown()
+			srv.WaitForShutdown()
+			return nil, err
+		}
+	}
+	return srv, nil
+}
+
+// fatalLogger is a server's logger: it drops what the server logs but passes on the first
+// error it reports through Fatalf (a listener it could not open, JetStream it could not
+// start), after which a server without a logger would run on silently, never ready.
+type fatalLogger chan<- error
+
+func (l fatalLogger) Fatalf(format string, v ...any) {
+	err := &fatalError{msg: fmt.Sprintf(format, v...)}
+	for _, a := range v {
+		if e, ok := a.(error); ok {
+			err.cause = e // kept for errors.Is: the bind's EADDRINUSE
+			break
+		}
+	}
+	select {
+	case l <- err:
+	default: // the first one is enough
+	}
+}
+
+func (fatalLogger) Noticef(string, ...any) {}
+func (fatalLogger) Warnf(string, ...any)   {}
+func (fatalLogger) Errorf(string, ...any)  {}
+func (fatalLogger) Debugf(string, ...any)  {}
+func (fatalLogger) Tracef(string, ...any)  {}
+
+// fatalError is what a server reported through Fatalf, and the error among its arguments.
+type fatalError struct {
+	msg   string
+	cause error
+}
+
+func (e *fatalError) Error() string { return e.msg }
+func (e *fatalError) Unwrap() error { return e.cause }
 
 // Stop shuts the node down and waits until it is gone: its clients are disconnected (and
 // reconnect to another node of their URL list), the streams it led elect another leader
-// among their running replicas. The store directory stays for Start. Stopping a stopped node
-// does nothing.
+// among their running replicas. The store directory and the ports stay for Start. Stopping a
+// stopped node does nothing.
 func (n *ClusterNode) Stop() {
 	n.mu.Lock()
 	defer n.mu.Unlock()

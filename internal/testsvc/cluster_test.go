@@ -3,6 +3,7 @@ package testsvc
 import (
 	"context"
 	"fmt"
+	"net"
 	"testing"
 	"time"
 
@@ -64,4 +65,63 @@ func TestClusterSurvivesTheLossOfTheStreamLeader(t *testing.T) {
 	}
 	require.Len(t, c.Nodes, 3)
 	require.Equal(t, c.Nodes[0].URL()+","+c.Nodes[1].URL()+","+c.Nodes[2].URL(), c.URLs())
+}
+
+// A node started again is back on the ports it bound first, also when another listener was
+// given one of them while the node was down (as a test's proxy listening on port 0 can be):
+// Start tries again until the port is free, and the node rejoins the cluster.
+func TestClusterNodeStartedAgainWaitsForItsPort(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	c := StartCluster(t, 3)
+	ports := map[int]bool{}
+	for _, n := range c.Nodes {
+		for _, p := range []int{n.Port, n.ClusterPort} {
+			require.Positive(t, p, "%s: the ports it bound", n.Name)
+			require.False(t, ports[p], "%s: port %d twice", n.Name, p)
+			ports[p] = true
+		}
+		// Every node knows every other's route port, for when it starts again.
+		var want, got []string
+		for _, other := range c.Nodes {
+			if other != n {
+				want = append(want, fmt.Sprintf("127.0.0.1:%d", other.ClusterPort))
+			}
+		}
+		for _, r := range n.routes {
+			got = append(got, r.Host)
+		}
+		require.Equal(t, want, got, "%s: routes", n.Name)
+	}
+
+	// Node 0 started with no routes; started again, it routes to the others itself.
+	node := c.Nodes[0]
+	port, clusterPort := node.Port, node.ClusterPort
+	node.Stop()
+	var lc net.ListenConfig
+	taken, err := lc.Listen(ctx, "tcp", fmt.Sprintf("127.0.0.1:%d", clusterPort))
+	require.NoError(t, err, "hold the stopped node's route port")
+	started := make(chan error, 1)
+	go func() { started <- node.Start() }()
+	select {
+	case err := <-started:
+		_ = taken.Close()
+		t.Fatalf("started while its route port was taken: %v", err)
+	case <-time.After(500 * time.Millisecond): // the port stays taken that long
+	}
+	require.NoError(t, taken.Close())
+	select {
+	case err := <-started:
+		require.NoError(t, err)
+	case <-ctx.Done():
+		t.Fatal("Start did not return once its route port was free")
+	}
+	require.Equal(t, port, node.Port)
+	require.Equal(t, clusterPort, node.ClusterPort)
+	srv := node.server()
+	require.Equal(t, port, srv.Addr().(*net.TCPAddr).Port, "client port it listens on")
+	require.Equal(t, clusterPort, srv.ClusterAddr().Port, "route port it listens on")
+	require.NoError(t, c.AwaitMetaLeader(ctx))
+	require.True(t, srv.JetStreamIsCurrent(), "the node started again is in the cluster")
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -58,7 +59,7 @@ func (l *link) close() {
 }
 
 // StartProxy listens on 127.0.0.1:0 and forwards every accepted connection to target
-// ("host:port"); it stops (closing every connection) in t.Cleanup. When the target refuses a
+// ("host:port", or the path of a Unix socket: a throwaway Postgres listens on one); it stops (closing every connection) in t.Cleanup. When the target refuses a
 // connection, the proxy closes the client's, as a server that is down would look.
 func StartProxy(t testing.TB, target string) *Proxy {
 	t.Helper()
@@ -216,7 +217,11 @@ func (p *Proxy) acceptLoop() {
 // side closes or the proxy stops.
 func (p *Proxy) serve(client net.Conn) {
 	ctx, cancel := context.WithTimeout(context.Background(), proxyDialTimeout)
-	server, err := (&net.Dialer{}).DialContext(ctx, "tcp", p.target)
+	network := "tcp"
+	if strings.HasPrefix(p.target, "/") {
+		network = "unix"
+	}
+	server, err := (&net.Dialer{}).DialContext(ctx, network, p.target)
 	cancel()
 	if err != nil {
 		_ = client.Close()

@@ -24,7 +24,7 @@ func setupProxy(t *testing.T) *proxyBundle {
 	db := NewDatabase(t)
 	cfg, err := pgx.ParseConfig(db.URL)
 	require.NoError(t, err)
-	target := net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port)))
+	target := postgresTarget(cfg.Host, cfg.Port)
 	return &proxyBundle{db: db, proxy: StartProxy(t, target)}
 }
 
@@ -209,7 +209,7 @@ func TestProxyStopClosesConnections(t *testing.T) {
 	db := NewDatabase(t)
 	cfg, err := pgx.ParseConfig(db.URL)
 	require.NoError(t, err)
-	target := net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port)))
+	target := postgresTarget(cfg.Host, cfg.Port)
 
 	var p *Proxy
 	t.Run("proxy", func(t *testing.T) {

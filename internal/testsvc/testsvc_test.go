@@ -2,6 +2,8 @@ package testsvc
 
 import (
 	"context"
+	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -62,12 +64,12 @@ func TestPostgresRestartKeepsData(t *testing.T) {
 	exec("CREATE TABLE kept (v int)")
 	exec("INSERT INTO kept VALUES (1)")
 
-	port := pg.Port
+	connURL := pg.URL("postgres")
 	require.NoError(t, pg.Stop())
-	_, err = pgx.Connect(ctx, pg.URL("postgres"))
+	_, err = pgx.Connect(ctx, connURL)
 	require.Error(t, err, "the server must be down after Stop")
 	require.NoError(t, pg.Start(ctx))
-	require.Equal(t, port, pg.Port)
+	require.Equal(t, connURL, pg.URL("postgres"))
 	require.Equal(t, 1, count())
 
 	exec("INSERT INTO kept VALUES (2)")
@@ -122,4 +124,41 @@ func TestBinariesBuildsEachOnce(t *testing.T) {
 	// Built once: Binary and Binaries hand out the same programs afterwards.
 	require.Equal(t, bins[0], Binary(t, pkgs[0]))
 	require.Equal(t, []string{bins[1], bins[0]}, Binaries(t, pkgs[1], pkgs[0]))
+}
+
+// A server started again is back on its port, also when another listener was given that port
+// while the server was down (as a test's proxy listening on port 0 can be): Start tries again
+// until the port is free.
+func TestNATSStartedAgainWaitsForItsPort(t *testing.T) {
+	t.Parallel()
+	n := StartNATS(t)
+	if n.External() {
+		t.Fatalf("this test restarts NATS: unset %s", EnvNATSURL)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	port := n.Port
+	n.Stop()
+	var lc net.ListenConfig
+	taken, err := lc.Listen(ctx, "tcp", fmt.Sprintf("127.0.0.1:%d", port))
+	require.NoError(t, err, "hold the stopped server's port")
+	started := make(chan error, 1)
+	go func() { started <- n.Start() }()
+	select {
+	case err := <-started:
+		_ = taken.Close()
+		t.Fatalf("started while its port was taken: %v", err)
+	case <-time.After(500 * time.Millisecond): // the port stays taken that long
+	}
+	require.NoError(t, taken.Close())
+	select {
+	case err := <-started:
+		require.NoError(t, err)
+	case <-ctx.Done():
+		t.Fatal("Start did not return once its port was free")
+	}
+	require.Equal(t, port, n.Port)
+	nc, err := nats.Connect(n.URL())
+	require.NoError(t, err, "connect to the server started again")
+	nc.Close()
 }

@@ -6,9 +6,23 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"syscall"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+)
+
+const (
+	// natsReadyTimeout bounds how long one start waits for the server to listen.
+	natsReadyTimeout = 30 * time.Second
+	// natsReadyPoll is how long each readiness check waits: ReadyForConnections sits out its
+	// whole duration once the listener failed, so it is asked in short slices, between which a
+	// failure the server reported ends the start at once.
+	natsReadyPoll = 100 * time.Millisecond
+	// natsBindTimeout bounds how long a server started on a fixed port keeps trying while
+	// another listener holds that port; natsBindRetryWait is the pause between tries.
+	natsBindTimeout   = time.Minute
+	natsBindRetryWait = 250 * time.Millisecond
 )
 
 // NATS is a NATS server with JetStream running in this process, listening on 127.0.0.1.
@@ -20,31 +34,103 @@ type NATS struct {
 }
 
 // StartNATS starts a NATS server with JetStream in this process, storing its streams under
-// storeDir, on port (0 picks a free one), and waits until it accepts connections. A server
-// started on a store directory another one used recovers its streams.
+// storeDir, on port, and waits until it accepts connections. A server started on a store
+// directory another one used recovers its streams.
+//
+// Port 0 has the server bind any free port itself (NATS.Port reports it), so that no other
+// listener can be given the port between its choice and the bind. A fixed port (a server
+// started again on the port it had) may have been given to another listener meanwhile: while
+// it is in use, StartNATS tries again, for up to a minute, and then fails naming the port.
 func StartNATS(storeDir string, port int) (*NATS, error) {
 	if port == 0 {
 		port = -1 // the server's "any free port"; its 0 means the default port 4222
 	}
-	srv, err := server.NewServer(&server.Options{
-		ServerName: "baton-throwaway",
-		Host:       "127.0.0.1",
-		Port:       port,
-		JetStream:  true,
-		StoreDir:   storeDir,
-		NoSigs:     true,
-		NoLog:      true,
-	})
-	if err != nil {
-		return nil, fmt.Errorf("nats server: %w", err)
+	deadline := time.Now().Add(natsBindTimeout)
+	for {
+		// Options of its own for every try: the server rewrites the ones it is given.
+		srv, err := startNATSOnce(&server.Options{
+			ServerName: "baton-throwaway",
+			Host:       "127.0.0.1",
+			Port:       port,
+			JetStream:  true,
+			StoreDir:   storeDir,
+			NoSigs:     true,
+			NoLog:      true,
+		})
+		if err == nil {
+			return &NATS{Port: srv.Addr().(*net.TCPAddr).Port, srv: srv}, nil
+		}
+		if !errors.Is(err, syscall.EADDRINUSE) {
+			return nil, fmt.Errorf("nats server: %w", err)
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("nats server: port %d still in use after %s: %w", port, natsBindTimeout, err)
+		}
+		time.Sleep(natsBindRetryWait) // nothing tells when the other listener lets go
 	}
-	go srv.Start()
-	if !srv.ReadyForConnections(30 * time.Second) {
-		srv.Shutdown()
-		return nil, errors.New("nats server not ready after 30s")
-	}
-	return &NATS{Port: srv.Addr().(*net.TCPAddr).Port, srv: srv}, nil
 }
+
+// startNATSOnce starts a server with opts and waits until it accepts clients. A server that
+// failed to start (its listener, JetStream) is shut down, and its error returned.
+func startNATSOnce(opts *server.Options) (*server.Server, error) {
+	srv, err := server.NewServer(opts)
+	if err != nil {
+		return nil, err
+	}
+	fatal := make(chan error, 1)
+	srv.SetLogger(fatalLogger(fatal), false, false)
+	go srv.Start()
+	deadline := time.Now().Add(natsReadyTimeout)
+	for !srv.ReadyForConnections(natsReadyPoll) {
+		select {
+		case err = <-fatal:
+		default:
+			if time.Now().After(deadline) {
+				err = fmt.Errorf("not ready after %s", natsReadyTimeout)
+			}
+		}
+		if err != nil {
+			srv.Shutdown()
+			srv.WaitForShutdown()
+			return nil, err
+		}
+	}
+	return srv, nil
+}
+
+// fatalLogger is a server's logger: it drops what the server logs but passes on the first
+// error it reports through Fatalf (a listener it could not open, JetStream it could not
+// start), after which a server without a logger would run on silently, never ready.
+type fatalLogger chan<- error
+
+func (l fatalLogger) Fatalf(format string, v ...any) {
+	err := &fatalError{msg: fmt.Sprintf(format, v...)}
+	for _, a := range v {
+		if e, ok := a.(error); ok {
+			err.cause = e // kept for errors.Is: the bind's EADDRINUSE
+			break
+		}
+	}
+	select {
+	case l <- err:
+	default: // the first one is enough
+	}
+}
+
+func (fatalLogger) Noticef(string, ...any) {}
+func (fatalLogger) Warnf(string, ...any)   {}
+func (fatalLogger) Errorf(string, ...any)  {}
+func (fatalLogger) Debugf(string, ...any)  {}
+func (fatalLogger) Tracef(string, ...any)  {}
+
+// fatalError is what a server reported through Fatalf, and the error among its arguments.
+type fatalError struct {
+	msg   string
+	cause error
+}
+
+func (e *fatalError) Error() string { return e.msg }
+func (e *fatalError) Unwrap() error { return e.cause }
 
 // URL returns the client URL.
 func (n *NATS) URL() string { return fmt.Sprintf("nats://127.0.0.1:%d", n.Port) }

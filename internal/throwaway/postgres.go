@@ -9,7 +9,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
+	"math/rand/v2"
+	"net/url"
 	"os"
 	"os/exec"
 	"os/user"
@@ -31,10 +32,13 @@ var ErrNoPostgres = errors.New("PostgreSQL server binaries (initdb, postgres) no
 // Postgres is a throwaway PostgreSQL cluster in a temporary directory, and its server.
 type Postgres struct {
 	// Dir is the temporary directory: it holds the data directory (Dir/data), the server's
-	// log (Dir/postgres.log) and its Unix socket. Close removes it.
+	// log (Dir/postgres.log) and its Unix socket, where clients connect (URL). Close removes it.
 	Dir string
-	// Port is the TCP port the server listens on, on 127.0.0.1.
+	// Port is the server's port: the number in its socket's name (SocketPath), and with
+	// PostgresOptions.TCP the TCP port it listens on, on 127.0.0.1.
 	Port int
+	// TCP reports whether the server listens on 127.0.0.1:Port too (PostgresOptions.TCP).
+	TCP bool
 
 	binDir string
 	cred   *syscall.Credential // non-nil when running as root: the server runs as user postgres
@@ -73,8 +77,10 @@ func isExec(path string) bool {
 	return err == nil && !st.IsDir() && st.Mode()&0o111 != 0
 }
 
-// StartPostgres runs initdb in a new temp directory and starts the server on a free port. Close
-// stops it and removes the directory.
+// StartPostgres runs initdb in a new temp directory and starts the server on a Unix socket in
+// that directory, with no TCP listener: no port is chosen, so none can be taken by another
+// process between a choice and the server's bind (or across a restart). Close stops it and
+// removes the directory.
 func StartPostgres(ctx context.Context) (*Postgres, error) {
 	return StartPostgresWith(ctx, PostgresOptions{})
 }
@@ -86,8 +92,17 @@ type PostgresOptions struct {
 	TLS *PostgresTLS
 	// HBA lines go before the trust lines initdb writes to pg_hba.conf; the first line that
 	// matches a connection decides, so these can ask some roles or databases for a password
-	// (host all app 127.0.0.1/32 scram-sha-256) or for TLS (hostssl ...). Default: none.
+	// (local all app scram-sha-256; host ... for TCP) or for TLS (hostssl ...). Default: none.
 	HBA []string
+	// TCP makes the server listen on 127.0.0.1 as well as on its socket, for what a Unix
+	// socket cannot carry: TLS (which turns it on) and pg_hba.conf host lines. Its port is
+	// chosen at random below the system's ephemeral range (where no listener on port 0 is
+	// ever given it) and bound by the server itself, another one tried when it is taken;
+	// StartServer after StopServer binds the same port again, waiting while it is taken.
+	TCP bool
+	// Settings are postgresql.conf lines ("shared_preload_libraries = 'pg_stat_statements'")
+	// written after the throwaway defaults, which they override. Default: none.
+	Settings []string
 }
 
 // PostgresTLS is the server certificate of a cluster started with TLS.
@@ -109,7 +124,7 @@ func StartPostgresWith(ctx context.Context, opts PostgresOptions) (*Postgres, er
 	if err != nil {
 		return nil, fmt.Errorf("postgres temp dir: %w", err)
 	}
-	p := &Postgres{Dir: dir, binDir: bin}
+	p := &Postgres{Dir: dir, binDir: bin, Port: socketPort, TCP: opts.TCP || opts.TLS != nil}
 	if os.Geteuid() == 0 {
 		// initdb and postgres refuse to run as root.
 		u, err := user.Lookup("postgres")
@@ -137,7 +152,7 @@ func StartPostgresWith(ctx context.Context, opts PostgresOptions) (*Postgres, er
 	}
 	// Settings go to postgresql.conf, not the command line, so ALTER SYSTEM can still change
 	// them (command-line settings would override it).
-	if err := appendFile(filepath.Join(p.dataDir(), "postgresql.conf"), serverSettings); err != nil {
+	if err := appendFile(filepath.Join(p.dataDir(), "postgresql.conf"), serverSettings+strings.Join(opts.Settings, "\n")+"\n"); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
@@ -145,16 +160,49 @@ func StartPostgresWith(ctx context.Context, opts PostgresOptions) (*Postgres, er
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
-	if p.Port, err = freePort(ctx); err != nil {
-		_ = os.RemoveAll(dir)
-		return nil, err
-	}
-	if err := p.StartServer(ctx); err != nil {
+	if err := p.firstStart(ctx); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
 	return p, nil
 }
+
+// socketPort is the port of a server with no TCP listener: only its socket's name holds it.
+const socketPort = 5432
+
+// firstStart starts the server for the first time: with TCP, on a random port below the
+// ephemeral range, trying another while the one tried is taken.
+func (p *Postgres) firstStart(ctx context.Context) error {
+	if !p.TCP {
+		return p.startServer(ctx)
+	}
+	low, high := tcpPortRange()
+	for try := 1; ; try++ {
+		p.Port = low + rand.IntN(high-low) //nolint:gosec // G404: a port number, not a secret
+		err := p.startServer(ctx)
+		if !errors.Is(err, errPortTaken) || try == 20 {
+			return err
+		}
+	}
+}
+
+// tcpPortRange returns the ports firstStart picks from: below the first port of the system's
+// ephemeral range (ip_local_port_range), where the kernel never puts a listener on port 0
+// nor a client's connection, and above the well-known and most registered ports.
+func tcpPortRange() (low, high int) {
+	low, high = 10000, 32768 // Linux's default ephemeral range starts at 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if n, err := strconv.Atoi(f[0]); err == nil && n > low+1000 {
+				high = n
+			}
+		}
+	}
+	return low, high
+}
+
+// errPortTaken is StartServer's error when another process holds the server's TCP port.
+var errPortTaken = errors.New("the port is taken")
 
 // serverSettings are what every throwaway cluster runs with: logical replication, room for
 // many replication slots and connections at once, and no fsync (the cluster lives no longer
@@ -251,12 +299,37 @@ func (p *Postgres) command(ctx context.Context, name string, args ...string) *ex
 
 // StartServer starts the server on the cluster's data directory and Port, and waits until it
 // accepts connections; it fails when the server is running. StartPostgres starts it, and after
-// StopServer it starts it again on the same port and data.
+// StopServer it starts it again on the same socket (and port) and data. A TCP port another
+// process took meanwhile is waited for, up to a minute.
 func (p *Postgres) StartServer(ctx context.Context) error {
+	deadline := time.Now().Add(time.Minute)
+	for {
+		err := p.startServer(ctx)
+		if !errors.Is(err, errPortTaken) || time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("wait for port %d: %w", p.Port, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+func (p *Postgres) startServer(ctx context.Context) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.cmd != nil {
 		return errors.New("postgres already running")
+	}
+	listen := ""
+	if p.TCP {
+		listen = "127.0.0.1"
+	}
+	// The log's size before this start: a failed bind is looked for in what it adds.
+	var logStart int64
+	if st, err := os.Stat(p.logPath()); err == nil {
+		logStart = st.Size()
 	}
 	// The server writes through the descriptor it inherits, so only this process needs access.
 	logf, err := os.OpenFile(p.logPath(), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
@@ -266,7 +339,7 @@ func (p *Postgres) StartServer(ctx context.Context) error {
 	// The server outlives ctx, which bounds only the start: StopServer and Close end it.
 	cmd := p.command(context.WithoutCancel(ctx), filepath.Join(p.binDir, "postgres"), "-D", p.dataDir(),
 		"-p", strconv.Itoa(p.Port),
-		"-c", "listen_addresses=127.0.0.1",
+		"-c", "listen_addresses="+listen,
 		"-c", "unix_socket_directories="+p.Dir,
 	)
 	cmd.Stdout, cmd.Stderr = logf, logf
@@ -290,6 +363,9 @@ func (p *Postgres) StartServer(ctx context.Context) error {
 		select {
 		case <-exited:
 			p.cmd = nil
+			if p.TCP && p.bindFailed(logStart) {
+				return fmt.Errorf("postgres on port %d: %w", p.Port, errPortTaken)
+			}
 			return fmt.Errorf("postgres exited during start-up: %s", p.logTail())
 		case <-ctx.Done():
 			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) // never leave a half-started server
@@ -307,6 +383,16 @@ func (p *Postgres) StartServer(ctx context.Context) error {
 	}
 }
 
+// bindFailed reports whether the server's log, from offset on, says that its TCP port was
+// taken ("could not bind IPv4 address ...: Address already in use").
+func (p *Postgres) bindFailed(offset int64) bool {
+	b, err := os.ReadFile(p.logPath())
+	if err != nil || int64(len(b)) < offset {
+		return false
+	}
+	return bytes.Contains(b[offset:], []byte("Address already in use"))
+}
+
 func (p *Postgres) logTail() string {
 	b, _ := os.ReadFile(p.logPath())
 	if len(b) > 2000 {
@@ -315,9 +401,24 @@ func (p *Postgres) logTail() string {
 	return string(bytes.TrimSpace(b))
 }
 
-// URL returns a connection string for database db.
+// URL returns a connection string for database db, through the server's Unix socket.
 func (p *Postgres) URL(db string) string {
+	q := url.Values{"host": {p.Dir}, "port": {strconv.Itoa(p.Port)}, "sslmode": {"disable"}}
+	return (&url.URL{Scheme: "postgres", User: url.User("postgres"), Path: "/" + db, RawQuery: q.Encode()}).String()
+}
+
+// TCPURL returns a connection string for database db over TCP, on 127.0.0.1:Port; "" when
+// the server has no TCP listener (PostgresOptions.TCP).
+func (p *Postgres) TCPURL(db string) string {
+	if !p.TCP {
+		return ""
+	}
 	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", p.Port, db)
+}
+
+// SocketPath returns the path of the server's Unix socket, which a TCP proxy may dial.
+func (p *Postgres) SocketPath() string {
+	return filepath.Join(p.Dir, ".s.PGSQL."+strconv.Itoa(p.Port))
 }
 
 // StopServer stops the server with sig, PostgreSQL's choice of shutdown mode, and waits until it
@@ -350,14 +451,4 @@ func (p *Postgres) Close() error {
 		err = fmt.Errorf("remove %s: %w", p.Dir, rmErr)
 	}
 	return err
-}
-
-func freePort(ctx context.Context) (int, error) {
-	var lc net.ListenConfig
-	l, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("find free port: %w", err)
-	}
-	defer func() { _ = l.Close() }()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }
