@@ -31,7 +31,8 @@ shows no streams.
 
 Basic auth: BATON_CONSOLE_USER with BATON_CONSOLE_PASSWORD or BATON_CONSOLE_PASSWORD_FILE
 (--user, --password-file). Without auth it listens only on a loopback address: any other
-address is refused (exit 2). SIGTERM, SIGINT or SIGHUP stop it.`
+address is refused (exit 2). One client IP address holds at most --max-streams-per-client
+event streams (watched conversations) at once. SIGTERM, SIGINT or SIGHUP stop it.`
 
 func runConsole(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("console", consoleDescription, stderr)
@@ -43,6 +44,8 @@ func runConsole(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.StringVar(&settings.User, "user", settings.User, "basic auth `user` [env "+console.EnvUser+"]")
 	fs.StringVar(&settings.PasswordFile, "password-file", settings.PasswordFile,
 		"`file` holding the basic auth password [env "+console.EnvPasswordFile+"; or "+console.EnvPassword+"]")
+	fs.IntVar(&settings.MaxStreamsPerClient, "max-streams-per-client", console.DefaultMaxStreamsPerClient,
+		"the most event streams (watched conversations) one client IP address holds at once")
 	cfg, log, err := configure(fs, args, stderr, config.EnvDatabaseURL, config.EnvNATSURL,
 		config.EnvSubjectPrefix, config.EnvSlot, config.EnvPublication, config.EnvSchema)
 	if err != nil {
@@ -53,6 +56,9 @@ func runConsole(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 	if err := settings.Resolve(); err != nil {
 		return usageError{msg: err.Error()}
+	}
+	if settings.MaxStreamsPerClient < 1 {
+		return usageError{msg: "--max-streams-per-client must be at least 1"}
 	}
 	log.Info("starting console", "config", cfg, "console", settings)
 	return serveConsole(ctx, cfg, settings, log, func(url string) {
@@ -97,7 +103,7 @@ func serveConsole(ctx context.Context, cfg *config.Config, settings console.Sett
 	srv, err := console.New(console.Config{
 		Pool: pool, NATS: nc, NATSURL: config.Redact(cfg.NATSURL),
 		Schema: cfg.Schema, SubjectPrefix: cfg.SubjectPrefix, Slot: cfg.Slot, Publication: cfg.Publication,
-		User: settings.User, Password: settings.Password, Logger: log,
+		User: settings.User, Password: settings.Password, MaxStreamsPerClient: settings.MaxStreamsPerClient, Logger: log,
 	})
 	if err != nil {
 		return err

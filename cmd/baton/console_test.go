@@ -36,10 +36,17 @@ func TestConsoleRefusesNonLoopback(t *testing.T) {
 	r = runBaton(t, "console", "--addr", "127.0.0.1:0", "--user", "ops")
 	require.Equal(t, 2, r.code, r.stderr)
 	require.Contains(t, r.stderr, "basic auth needs both")
+
+	for _, n := range []string{"0", "-1"} {
+		r = runBaton(t, "console", "--addr", "127.0.0.1:0", "--max-streams-per-client", n)
+		require.Equal(t, 2, r.code, r.stderr)
+		require.Contains(t, r.stderr, "--max-streams-per-client must be at least 1")
+	}
 }
 
 // TestConsoleServes: `baton console` serves until its context ends, then exits 0; with auth
-// from a password file the API needs it, and the password is never logged.
+// from a password file the API needs it, and the password is never logged;
+// --max-streams-per-client caps one client's event streams.
 func TestConsoleServes(t *testing.T) {
 	db := testsvc.NewDatabase(t)
 	pwFile := t.TempDir() + "/pw"
@@ -55,7 +62,7 @@ func TestConsoleServes(t *testing.T) {
 	defer cancel()
 	var stdout, stderr testsvc.Buffer
 	done := make(chan int, 1)
-	go func() { done <- run(ctx, []string{"console"}, &stdout, &stderr) }()
+	go func() { done <- run(ctx, []string{"console", "--max-streams-per-client", "1"}, &stdout, &stderr) }()
 	var base string
 	require.Eventually(t, func() bool {
 		m := consoleURLRE.FindStringSubmatch(stdout.String())
@@ -90,6 +97,27 @@ func TestConsoleServes(t *testing.T) {
 	for _, k := range []string{"slot", "outbox", "streams", "schema", "console"} {
 		require.Contains(t, st, k)
 	}
+
+	// One event stream of this client is open; a second is refused.
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"api/conversations", strings.NewReader(`{"id":"conv-1"}`))
+	require.NoError(t, err)
+	req.SetBasicAuth("ops", "hunter2-console")
+	res, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	require.NoError(t, res.Body.Close())
+	require.Equal(t, http.StatusCreated, res.StatusCode)
+	streamCtx, closeStream := context.WithCancel(ctx)
+	req, err = http.NewRequestWithContext(streamCtx, http.MethodGet, base+"api/conversations/conv-1/events", nil)
+	require.NoError(t, err)
+	req.SetBasicAuth("ops", "hunter2-console")
+	stream, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, stream.StatusCode)
+	code, body = get("/api/conversations/conv-1/events", "ops", "hunter2-console")
+	require.Equal(t, http.StatusServiceUnavailable, code, body)
+	require.Contains(t, body, "too many open event streams from this client (at most 1)")
+	closeStream()
+	_ = stream.Body.Close()
 
 	cancel()
 	select {

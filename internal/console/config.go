@@ -32,6 +32,8 @@ const (
 	DefaultPollInterval = 250 * time.Millisecond
 	// DefaultMaxStreams caps the Server-Sent Events streams open at once.
 	DefaultMaxStreams = 64
+	// DefaultMaxStreamsPerClient caps the streams one client (remote IP address) holds at once.
+	DefaultMaxStreamsPerClient = 8
 	// DefaultMaxBodyBytes caps a request body.
 	DefaultMaxBodyBytes = 64 << 10
 	// DefaultMaxContentBytes caps a message's content (the producer's MaxContentBytes).
@@ -57,17 +59,23 @@ type Settings struct {
 	// PasswordFile is the path of a file holding Password (one trailing newline removed).
 	// Setting both is an error. Default: none.
 	PasswordFile string `env:"BATON_CONSOLE_PASSWORD_FILE"`
+	// MaxStreamsPerClient is Config.MaxStreamsPerClient, set by the flag
+	// --max-streams-per-client (no environment variable, as for the global cap). Default: 0,
+	// which Config takes as DefaultMaxStreamsPerClient (8).
+	MaxStreamsPerClient int
 }
 
 // LogValue never logs the password.
 func (s Settings) LogValue() slog.Value {
 	return slog.GroupValue(slog.String("addr", s.Addr), slog.String("user", s.User),
-		slog.Bool("password_set", s.Password != ""), slog.String("password_file", s.PasswordFile))
+		slog.Bool("password_set", s.Password != ""), slog.String("password_file", s.PasswordFile),
+		slog.Int("max_streams_per_client", s.MaxStreamsPerClient))
 }
 
 // String never prints the password.
 func (s Settings) String() string {
-	return fmt.Sprintf("{Addr:%s User:%s PasswordSet:%t PasswordFile:%s}", s.Addr, s.User, s.Password != "", s.PasswordFile)
+	return fmt.Sprintf("{Addr:%s User:%s PasswordSet:%t PasswordFile:%s MaxStreamsPerClient:%d}",
+		s.Addr, s.User, s.Password != "", s.PasswordFile, s.MaxStreamsPerClient)
 }
 
 // SettingsFromEnv reads the settings from the environment.
@@ -142,6 +150,13 @@ type Config struct {
 	PollInterval time.Duration
 	// MaxStreams caps the open event streams. Default: DefaultMaxStreams.
 	MaxStreams int
+	// MaxStreamsPerClient caps the open event streams of one client, by the IP address of the
+	// connection (r.RemoteAddr; X-Forwarded-For is not trusted, so behind a reverse proxy all
+	// clients are one). Each stream polls the database, so one client opening many would take
+	// MaxStreams from everyone else and keep the database busy; a browser opens one per
+	// visible chat tab. Zero means the default; a negative value is an error. Default:
+	// DefaultMaxStreamsPerClient.
+	MaxStreamsPerClient int
 	// MaxBodyBytes caps request bodies. Default: DefaultMaxBodyBytes.
 	MaxBodyBytes int64
 	// MaxContentBytes caps message contents. Default: DefaultMaxContentBytes.

@@ -16,8 +16,11 @@
 //     read into a page or an answer; a failed message shows the error message the worker stored
 //     for users. Server errors answer a generic JSON error and are logged.
 //   - Everything is bounded: request bodies, message contents, ids (the producer's rules),
-//     open event streams, rows per read, and each write to a stream (a client that stops reading
-//     is dropped). Every stream ends with its request's context, so Serve stops them all.
+//     open event streams (in all and per client IP address), rows per read, the text read of
+//     each value (a prefix, never a whole large message), and each write to a stream (a client
+//     that stops reading is dropped). Every stream ends with its request's context, so Serve
+//     stops them all. A stream's poll reads its messages' small columns; contents are read
+//     only for the messages that are new or changed.
 //   - Basic auth, when configured, guards everything but /healthz, compared in constant time;
 //     without it, Settings.Resolve refuses a non-loopback address.
 //

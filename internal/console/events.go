@@ -3,9 +3,10 @@ package console
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"net/http"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Event stream timings.
@@ -28,20 +29,24 @@ type messagesEvent struct {
 // handleEvents streams a conversation's message states as Server-Sent Events: first every
 // message (full), then each message whose view changed. It reads the rows every PollInterval
 // and at once when the conversation's outcome is published (Run) or a message is sent through
-// this console. The stream ends with its request's context: the client leaving, or Serve
-// stopping, which also ends a write blocked on a client that stopped reading.
+// this console; after the first read, each reads the contents of only the messages that are
+// new or changed (readConversation). The stream ends with its request's context: the client
+// leaving, or Serve stopping, which also ends a write blocked on a client that stopped reading.
+//
+// A client (an IP address) holds at most MaxStreamsPerClient streams and all of them at most
+// MaxStreams; a stream beyond either is refused with 503.
 //
 // Each read is bounded by StreamReadTimeout, so a database that stops answering never holds a
 // stream; a failed read is retried at the next poll. A stream logs one warning when its reads
 // start failing and one info line when they work again, not one per poll: 64 streams polling
 // every 250 ms through an outage would bury the log.
 func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
-	if n := s.streams.Add(1); n > int64(s.cfg.MaxStreams) {
-		s.streams.Add(-1)
-		writeError(w, http.StatusServiceUnavailable, fmt.Sprintf("too many open event streams (at most %d)", s.cfg.MaxStreams))
+	client := streamClient(r)
+	if refused := s.takeStream(client); refused != "" {
+		writeError(w, http.StatusServiceUnavailable, refused)
 		return
 	}
-	defer s.streams.Add(-1)
+	defer s.releaseStream(client)
 	checkCtx, cancelCheck := context.WithTimeoutCause(r.Context(), s.cfg.RequestTimeout, errDatabaseTimeout)
 	conv, ok := s.conversationFromPath(w, r.WithContext(checkCtx))
 	cancelCheck()
@@ -86,10 +91,11 @@ func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
 	expire := time.NewTimer(s.cfg.MaxStreamAge) // see Config.MaxStreamAge
 	defer expire.Stop()
 	var last map[string]MessageView
-	failing := false // the last read failed; logged once per outage, not once per poll
+	var cache rowCache // nil until the first read
+	failing := false   // the last read failed; logged once per outage, not once per poll
 	for {
 		readCtx, cancelRead := context.WithTimeout(ctx, s.cfg.StreamReadTimeout)
-		rows, err := conversationMessages(readCtx, s.cfg.Pool, conv)
+		rows, next, err := readConversation(readCtx, s.cfg.Pool, conv, cache)
 		cancelRead()
 		if err != nil {
 			if ctx.Err() != nil {
@@ -106,6 +112,7 @@ func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
 				s.log.Info("console: a stream reads its conversation again", "conversation_id", conv)
 				failing = false
 			}
+			cache = next
 			diff, idx := changed(last, views(rows))
 			if last == nil || len(diff) > 0 {
 				ev := messagesEvent{ConversationID: conv, Full: last == nil, Messages: diff}
@@ -140,4 +147,31 @@ func (s *Server) handleEvents(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
+}
+
+// readConversation reads a stream's conversation: with no cache (the stream's first read)
+// every row with its contents, as GET .../messages does; then the rows without contents
+// (messageVersionsSQL: no message's content is read), and the contents of only those the
+// cache does not hold (messagesByIDSQL; none while nothing changed). It returns the rows, as
+// a read of everything would, and the cache for the next read.
+func readConversation(ctx context.Context, db *pgxpool.Pool, conv string, cache rowCache) ([]messageRow, rowCache, error) {
+	if cache == nil {
+		rows, err := conversationMessages(ctx, db, conv)
+		if err != nil {
+			return nil, nil, err
+		}
+		return rows, newRowCache(rows), nil
+	}
+	probed, err := conversationVersions(ctx, db, conv)
+	if err != nil {
+		return nil, nil, err
+	}
+	var read []messageRow
+	if ids := cache.missing(probed); len(ids) > 0 {
+		if read, err = messagesByID(ctx, db, conv, ids); err != nil {
+			return nil, nil, err
+		}
+	}
+	rows, next := cache.complete(probed, read)
+	return rows, next, nil
 }

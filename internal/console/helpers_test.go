@@ -144,12 +144,23 @@ type stream struct {
 // openStream opens the conversation's event stream; it is closed when the test ends.
 func (e *testEnv) openStream(t *testing.T, conv string) *stream {
 	t.Helper()
+	return e.openStreamWith(t, http.DefaultClient, conv)
+}
+
+// openStreamWith is openStream through client (one that connects from another address, say).
+func (e *testEnv) openStreamWith(t *testing.T, client *http.Client, conv string) *stream {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, e.base+"/api/conversations/"+url.PathEscape(conv)+"/events", nil)
 	require.NoError(t, err)
-	res, err := http.DefaultClient.Do(req)
+	res, err := client.Do(req)
 	require.NoError(t, err)
-	require.Equal(t, http.StatusOK, res.StatusCode)
+	if res.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(res.Body)
+		_ = res.Body.Close()
+		cancel()
+		t.Fatalf("open the stream of %s: %d %s", conv, res.StatusCode, b)
+	}
 	require.Equal(t, "text/event-stream", res.Header.Get("Content-Type"))
 	s := &stream{events: make(chan messagesEvent, 100), cancel: cancel, done: make(chan struct{})}
 	go func() {
@@ -265,4 +276,14 @@ func serveUntilStopped(t *testing.T, db *testsvc.Database, within time.Duration)
 			return nil
 		}
 	}
+}
+
+// clientFrom is an HTTP client whose connections come from the loopback address ip (any of
+// 127.0.0.0/8 on Linux): to the console, another client.
+func clientFrom(t *testing.T, ip string) *http.Client {
+	t.Helper()
+	d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}}
+	tr := &http.Transport{DialContext: d.DialContext}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr}
 }

@@ -46,6 +46,7 @@ type Server struct {
 
 	mu       sync.Mutex
 	watchers map[string]map[chan struct{}]struct{} // conversation id → wake channels
+	clients  map[string]int                        // client IP address → its open event streams
 }
 
 // New fills cfg's defaults and validates it.
@@ -58,6 +59,12 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.MaxStreams <= 0 {
 		cfg.MaxStreams = DefaultMaxStreams
+	}
+	switch {
+	case cfg.MaxStreamsPerClient < 0:
+		return nil, fmt.Errorf("console: MaxStreamsPerClient must be positive (got %d)", cfg.MaxStreamsPerClient)
+	case cfg.MaxStreamsPerClient == 0:
+		cfg.MaxStreamsPerClient = DefaultMaxStreamsPerClient
 	}
 	if cfg.MaxBodyBytes <= 0 {
 		cfg.MaxBodyBytes = DefaultMaxBodyBytes
@@ -90,7 +97,8 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("console: %w", err)
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger, prod: prod, watchers: map[string]map[chan struct{}]struct{}{}}
+	s := &Server{cfg: cfg, log: cfg.Logger, prod: prod, watchers: map[string]map[chan struct{}]struct{}{},
+		clients: map[string]int{}}
 	s.userSum, s.passSum = sha256.Sum256([]byte(cfg.User)), sha256.Sum256([]byte(cfg.Password))
 	s.routes()
 	return s, nil
@@ -237,6 +245,42 @@ func (s *Server) Run(ctx context.Context) error {
 		return fmt.Errorf("unsubscribe from outcomes: %w", err)
 	}
 	return nil
+}
+
+// streamClient is who an event stream counts against for MaxStreamsPerClient: the IP address
+// of the connection, without its port (each connection of a browser has its own). Headers
+// such as X-Forwarded-For are not read: any client can write them.
+func streamClient(r *http.Request) string {
+	if host, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
+		return host
+	}
+	return r.RemoteAddr
+}
+
+// takeStream counts a new event stream of client against MaxStreamsPerClient and MaxStreams,
+// or returns why it is refused; a taken stream is given back with releaseStream.
+func (s *Server) takeStream(client string) (refused string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.clients[client] >= s.cfg.MaxStreamsPerClient {
+		return fmt.Sprintf("too many open event streams from this client (at most %d)", s.cfg.MaxStreamsPerClient)
+	}
+	if n := s.streams.Add(1); n > int64(s.cfg.MaxStreams) {
+		s.streams.Add(-1)
+		return fmt.Sprintf("too many open event streams (at most %d)", s.cfg.MaxStreams)
+	}
+	s.clients[client]++
+	return ""
+}
+
+// releaseStream gives back a stream takeStream counted; a client with none left is forgotten.
+func (s *Server) releaseStream(client string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.streams.Add(-1)
+	if s.clients[client]--; s.clients[client] <= 0 {
+		delete(s.clients, client)
+	}
 }
 
 // watch registers a wake channel for a conversation; the returned func removes it.

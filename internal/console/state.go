@@ -137,6 +137,82 @@ func eqInt(a, b *int64) bool {
 	return *a == *b
 }
 
+// rowCache is what an event stream last read of its conversation: each message's row, with its
+// contents, by id. A poll reads the rows without contents (messageVersionsSQL); a row whose
+// message and reply rows are the versions cached still has the contents cached, and only the
+// others are read with contents (messagesByIDSQL): new messages, a reply that appeared or
+// changed, a message or reply row updated. The events are built from the completed rows as
+// from a read of everything, so they are the same.
+type rowCache map[string]messageRow
+
+// newRowCache indexes rows read with their contents.
+func newRowCache(rows []messageRow) rowCache {
+	c := make(rowCache, len(rows))
+	for _, r := range rows {
+		c[r.ID] = r
+	}
+	return c
+}
+
+// missing returns the ids of the probed rows (read without contents) whose contents the cache
+// does not hold, in their order.
+func (c rowCache) missing(probed []messageRow) []string {
+	var ids []string
+	for _, p := range probed {
+		if old, ok := c[p.ID]; !ok || !sameContents(old, p) {
+			ids = append(ids, p.ID)
+		}
+	}
+	return ids
+}
+
+// complete gives the probed rows their contents, in their order: from the cache when it holds
+// them, else the row of read (read with contents by id after the probe, so possibly newer,
+// and taken whole so that its state and its contents are of one moment). A probed row that is
+// in neither was deleted after the probe and is left out. It returns the rows and the cache
+// for the next poll.
+func (c rowCache) complete(probed, read []messageRow) ([]messageRow, rowCache) {
+	byID := make(map[string]messageRow, len(read))
+	for _, r := range read {
+		byID[r.ID] = r
+	}
+	rows := make([]messageRow, 0, len(probed))
+	for _, p := range probed {
+		if r, ok := byID[p.ID]; ok {
+			rows = append(rows, r)
+			continue
+		}
+		old, ok := c[p.ID]
+		if !ok || !sameContents(old, p) {
+			continue
+		}
+		p.Content, p.ReplyContent = old.Content, old.ReplyContent
+		rows = append(rows, p)
+	}
+	return rows, newRowCache(rows)
+}
+
+// sameContents reports whether rows a and b have the same contents: the same version of the
+// message row and the same reply at the same version. Contents are never compared, nor read
+// to compare.
+func sameContents(a, b messageRow) bool {
+	return a.MessageVersion == b.MessageVersion && eqString(a.ReplyID, b.ReplyID) && eqUint32(a.ReplyVersion, b.ReplyVersion)
+}
+
+func eqString(a, b *string) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return *a == *b
+}
+
+func eqUint32(a, b *uint32) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return *a == *b
+}
+
 // TimelineEntry is one step of a message's journey. Kind is written, queued, claimed,
 // operation, replied or failed.
 type TimelineEntry struct {

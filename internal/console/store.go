@@ -31,8 +31,15 @@ const (
 // clip cuts a text column to at most n characters in SQL, marking a cut with "…": any role
 // that writes messages may write large ones, and a page or event carries at most maxMessages of
 // them.
+//
+// It reads only the value's first n+1 characters: substr of a stored (TOASTed) value fetches,
+// and decompresses, only the prefix it needs (in UTF-8 at most 4×(n+1) bytes), where length
+// and left read the whole value, so that a 1 MB message cost 1 MB on every read that showed it.
+// The slice is taken once per row: a function in FROM is not inlined (a plain subquery would
+// be, taking the slice once for length and again for left).
 func clip(col string, n int) string {
-	return fmt.Sprintf("CASE WHEN length(%[1]s) > %[2]d THEN left(%[1]s, %[2]d) || '…' ELSE %[1]s END", col, n)
+	return fmt.Sprintf("(SELECT CASE WHEN length(s) > %[2]d THEN left(s, %[2]d) || '…' ELSE s END FROM substr(%[1]s, 1, %[3]d) AS s)",
+		col, n, n+1)
 }
 
 // The longest texts the chat (per message and reply) and the timeline show, in characters.
@@ -106,48 +113,99 @@ type messageRow struct {
 	ReplyRole      *string
 	ReplyContent   *string
 	ReplyCreatedAt *time.Time
+
+	// MessageVersion and ReplyVersion are the xmin of the message's row and of the reply's:
+	// every update of a row writes a new version with a new xmin, so a row whose versions
+	// (and reply id) are the ones a stream read has the contents it read (see rowCache).
+	MessageVersion uint32
+	ReplyVersion   *uint32
 }
 
-// messageColumns is shared by messagesSQL and messageRowSQL. last_error is never read: it
-// holds internal error text, which no page shows (the error message in the conversation,
-// reply_id, holds the generic text users see).
+// messageSelect is the select list and joins shared by messagesSQL, messageRowSQL,
+// messageVersionsSQL and messagesByIDSQL; without contents, the two contents are NULL and
+// neither message's content is read. last_error is never read: it holds internal error text,
+// which no page shows (the error message in the conversation, reply_id, holds the generic
+// text users see).
 //
 // The reply is read only when it is an assistant or error message of the row's own
 // conversation: baton_worker may set reply_id to any message, and the key on reply_id checks
 // only that it exists, so without these conditions a row could show another conversation's
 // words as its answer.
-var messageColumns = `m.id, m.conversation_id, ` + clip("m.content", chatTextChars) + `, m.created_at,
+func messageSelect(contents bool) string {
+	content, replyContent := "NULL::text", "NULL::text"
+	if contents {
+		content, replyContent = clip("m.content", chatTextChars), clip("p.content", chatTextChars)
+	}
+	return `m.id, m.conversation_id, ` + content + `, m.created_at,
 	o.id, o.status, o.attempts, o.available_at, o.lease_expires_at, o.run_id::text, ` + clip("r.worker", nameChars) + `, r.started_at,
-	p.id, p.role, ` + clip("p.content", chatTextChars) + `, p.created_at
+	p.id, p.role, ` + replyContent + `, p.created_at, m.xmin, p.xmin
 	FROM messages m
 	LEFT JOIN agent_outbox o ON o.message_id = m.id
 	LEFT JOIN agent_runs r ON r.run_id = o.run_id
 	LEFT JOIN messages p ON p.id = o.reply_id AND p.conversation_id = o.conversation_id
 		AND p.conversation_id = m.conversation_id AND p.role IN ('assistant', 'error')`
+}
 
-// messagesSQL reads the latest user messages of a conversation, oldest first.
-var messagesSQL = `SELECT * FROM (SELECT ` + messageColumns + `
+// latestMessages reads the latest $2 user messages of conversation $1, oldest first: an index
+// scan of messages_conversation.
+func latestMessages(contents bool) string {
+	return `SELECT * FROM (SELECT ` + messageSelect(contents) + `
 	WHERE m.conversation_id = $1 AND m.role = 'user'
 	ORDER BY m.created_at DESC, m.id DESC LIMIT $2) x ORDER BY 4, 1`
+}
 
-var messageRowSQL = `SELECT ` + messageColumns + ` WHERE m.id = $1`
+// messagesSQL reads the latest user messages of a conversation, oldest first, with their
+// contents.
+var messagesSQL = latestMessages(true)
+
+// messageVersionsSQL reads what messagesSQL does but the contents: the small columns of each
+// row and the versions of the message and reply rows. An event stream reads it every poll and
+// then the contents of only the rows that are new or changed (messagesByIDSQL): reading 200
+// messages' contents four times a second, whether anything changed or not, kept the database
+// busy with every stream open on a conversation of large messages.
+var messageVersionsSQL = latestMessages(false)
+
+// messagesByIDSQL reads the user messages $1 of conversation $2, with their contents, by
+// primary key.
+var messagesByIDSQL = `SELECT ` + messageSelect(true) + ` WHERE m.id = ANY ($1) AND m.conversation_id = $2 AND m.role = 'user'`
+
+var messageRowSQL = `SELECT ` + messageSelect(true) + ` WHERE m.id = $1`
 
 func scanMessageRow(r pgx.CollectableRow) (messageRow, error) {
 	var m messageRow
-	err := r.Scan(&m.ID, &m.ConversationID, &m.Content, &m.CreatedAt,
+	var content *string // NULL in messageVersionsSQL
+	err := r.Scan(&m.ID, &m.ConversationID, &content, &m.CreatedAt,
 		&m.OutboxID, &m.Status, &m.Attempts, &m.AvailableAt, &m.LeaseExpiresAt, &m.RunID, &m.Worker, &m.RunStartedAt,
-		&m.ReplyID, &m.ReplyRole, &m.ReplyContent, &m.ReplyCreatedAt)
+		&m.ReplyID, &m.ReplyRole, &m.ReplyContent, &m.ReplyCreatedAt, &m.MessageVersion, &m.ReplyVersion)
+	if content != nil {
+		m.Content = *content
+	}
 	return m, err
 }
 
 func conversationMessages(ctx context.Context, db *pgxpool.Pool, conversationID string) ([]messageRow, error) {
-	rows, err := db.Query(ctx, messagesSQL, conversationID, maxMessages)
+	return queryMessages(ctx, db, "read messages", messagesSQL, conversationID, maxMessages)
+}
+
+// conversationVersions is conversationMessages without the contents (messageVersionsSQL).
+func conversationVersions(ctx context.Context, db *pgxpool.Pool, conversationID string) ([]messageRow, error) {
+	return queryMessages(ctx, db, "read message versions", messageVersionsSQL, conversationID, maxMessages)
+}
+
+// messagesByID reads the user messages ids of a conversation, with their contents; a message
+// not found (deleted) is left out.
+func messagesByID(ctx context.Context, db *pgxpool.Pool, conversationID string, ids []string) ([]messageRow, error) {
+	return queryMessages(ctx, db, "read changed messages", messagesByIDSQL, ids, conversationID)
+}
+
+func queryMessages(ctx context.Context, db *pgxpool.Pool, what, sql string, args ...any) ([]messageRow, error) {
+	rows, err := db.Query(ctx, sql, args...)
 	if err != nil {
-		return nil, fmt.Errorf("read messages: %w", err)
+		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	out, err := pgx.CollectRows(rows, scanMessageRow)
 	if err != nil {
-		return nil, fmt.Errorf("read messages: %w", err)
+		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	return out, nil
 }
