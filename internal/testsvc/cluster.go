@@ -2,18 +2,18 @@ package testsvc
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/url"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/batonhq/baton/internal/throwaway"
 )
 
 // ClusterName is the name of the JetStream cluster StartCluster starts.
@@ -264,25 +264,12 @@ func (n *ClusterNode) server() *server.Server {
 	return n.srv
 }
 
-const (
-	// readyTimeout bounds how long one start of a server waits for it to listen.
-	readyTimeout = 30 * time.Second
-	// readyPoll is how long each readiness check waits: ReadyForConnections sits out its whole
-	// duration once a listener failed, so it is asked in short slices, between which a
-	// failure the server reported ends the start at once.
-	readyPoll = 100 * time.Millisecond
-	// bindTimeout bounds how long a node started again keeps trying while another listener
-	// holds one of its ports; bindRetryWait is the pause between tries.
-	bindTimeout   = time.Minute
-	bindRetryWait = 250 * time.Millisecond
-)
-
 // Start starts the node on its store directory and waits until it accepts clients. The first
 // time, the node binds free ports and Port and ClusterPort report them; after Stop it binds
 // those again. One of them may have been given to another listener meanwhile (a test's proxy
-// listening on port 0): while a port is in use, Start tries again, for up to bindTimeout, and
-// then fails naming the port. A node started again recovers its streams and catches up with
-// the cluster's leaders.
+// listening on port 0): while a port is in use, Start tries again, for up to a minute
+// (throwaway.StartServer), and then fails naming the port. A node started again recovers its
+// streams and catches up with the cluster's leaders.
 func (n *ClusterNode) Start() error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -293,10 +280,8 @@ func (n *ClusterNode) Start() error {
 	if port == 0 {
 		port, clusterPort = -1, -1 // the server's "any free port"; its 0 means a default port
 	}
-	deadline := time.Now().Add(bindTimeout)
-	for {
-		// Options of its own for every try: the server rewrites the ones it is given.
-		srv, err := startServer(&server.Options{
+	srv, err := throwaway.StartServer(func() *server.Options {
+		return &server.Options{
 			ServerName: n.Name,
 			Host:       "127.0.0.1",
 			Port:       port,
@@ -314,86 +299,17 @@ func (n *ClusterNode) Start() error {
 			Routes: n.routes,
 			NoSigs: true,
 			NoLog:  true,
-		})
-		if err == nil {
-			n.srv = srv
-			if n.Port == 0 { // written once: tests read them while the node restarts
-				n.Port, n.ClusterPort = srv.Addr().(*net.TCPAddr).Port, srv.ClusterAddr().Port
-			}
-			return nil
 		}
-		if !errors.Is(err, syscall.EADDRINUSE) {
-			return fmt.Errorf("nats server %s: %w", n.Name, err)
-		}
-		if time.Now().After(deadline) {
-			// err names the port: "Error listening on [router] port: ...: address already in use".
-			return fmt.Errorf("nats server %s: its port still in use after %s: %w", n.Name, bindTimeout, err)
-		}
-		time.Sleep(bindRetryWait) // nothing tells when the other listener lets go
-	}
-}
-
-// startServer starts a server with opts and waits until it accepts clients and routes. A
-// server that failed to start (a listener, JetStream) is shut down, and its error returned.
-func startServer(opts *server.Options) (*server.Server, error) {
-	srv, err := server.NewServer(opts)
+	}, n.Port != 0)
 	if err != nil {
-		return nil, err
+		return fmt.Errorf("nats server %s: %w", n.Name, err)
 	}
-	fatal := make(chan error, 1)
-	srv.SetLogger(fatalLogger(fatal), false, false)
-	go srv.Start()
-	deadline := time.Now().Add(readyTimeout)
-	for !srv.ReadyForConnections(readyPoll) {
-		select {
-		case err = <-fatal:
-		default:
-			if time.Now().After(deadline) {
-				err = fmt.Errorf("not ready after %s", readyTimeout)
-			}
-		}
-		if err != nil {
-			srv.Shutdown()
-			srv.WaitForShutdown()
-			return nil, err
-		}
+	n.srv = srv
+	if n.Port == 0 { // written once: tests read them while the node restarts
+		n.Port, n.ClusterPort = srv.Addr().(*net.TCPAddr).Port, srv.ClusterAddr().Port
 	}
-	return srv, nil
+	return nil
 }
-
-// fatalLogger is a server's logger: it drops what the server logs but passes on the first
-// error it reports through Fatalf (a listener it could not open, JetStream it could not
-// start), after which a server without a logger would run on silently, never ready.
-type fatalLogger chan<- error
-
-func (l fatalLogger) Fatalf(format string, v ...any) {
-	err := &fatalError{msg: fmt.Sprintf(format, v...)}
-	for _, a := range v {
-		if e, ok := a.(error); ok {
-			err.cause = e // kept for errors.Is: the bind's EADDRINUSE
-			break
-		}
-	}
-	select {
-	case l <- err:
-	default: // the first one is enough
-	}
-}
-
-func (fatalLogger) Noticef(string, ...any) {}
-func (fatalLogger) Warnf(string, ...any)   {}
-func (fatalLogger) Errorf(string, ...any)  {}
-func (fatalLogger) Debugf(string, ...any)  {}
-func (fatalLogger) Tracef(string, ...any)  {}
-
-// fatalError is what a server reported through Fatalf, and the error among its arguments.
-type fatalError struct {
-	msg   string
-	cause error
-}
-
-func (e *fatalError) Error() string { return e.msg }
-func (e *fatalError) Unwrap() error { return e.cause }
 
 // Stop shuts the node down and waits until it is gone: its clients are disconnected (and
 // reconnect to another node of their URL list), the streams it led elect another leader

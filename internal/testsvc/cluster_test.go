@@ -99,24 +99,7 @@ func TestClusterNodeStartedAgainWaitsForItsPort(t *testing.T) {
 	node := c.Nodes[0]
 	port, clusterPort := node.Port, node.ClusterPort
 	node.Stop()
-	var lc net.ListenConfig
-	taken, err := lc.Listen(ctx, "tcp", fmt.Sprintf("127.0.0.1:%d", clusterPort))
-	require.NoError(t, err, "hold the stopped node's route port")
-	started := make(chan error, 1)
-	go func() { started <- node.Start() }()
-	select {
-	case err := <-started:
-		_ = taken.Close()
-		t.Fatalf("started while its route port was taken: %v", err)
-	case <-time.After(500 * time.Millisecond): // the port stays taken that long
-	}
-	require.NoError(t, taken.Close())
-	select {
-	case err := <-started:
-		require.NoError(t, err)
-	case <-ctx.Done():
-		t.Fatal("Start did not return once its route port was free")
-	}
+	requireStartWaitsForPort(ctx, t, clusterPort, node.Start)
 	require.Equal(t, port, node.Port)
 	require.Equal(t, clusterPort, node.ClusterPort)
 	srv := node.server()

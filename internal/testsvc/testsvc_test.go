@@ -139,15 +139,26 @@ func TestNATSStartedAgainWaitsForItsPort(t *testing.T) {
 	defer cancel()
 	port := n.Port
 	n.Stop()
+	requireStartWaitsForPort(ctx, t, port, n.Start)
+	require.Equal(t, port, n.Port)
+	nc, err := nats.Connect(n.URL())
+	require.NoError(t, err, "connect to the server started again")
+	nc.Close()
+}
+
+// requireStartWaitsForPort holds port while start runs, and requires that start waits for it:
+// it has not returned after 500 ms, and returns without error once the port is let go.
+func requireStartWaitsForPort(ctx context.Context, t *testing.T, port int, start func() error) {
+	t.Helper()
 	var lc net.ListenConfig
 	taken, err := lc.Listen(ctx, "tcp", fmt.Sprintf("127.0.0.1:%d", port))
 	require.NoError(t, err, "hold the stopped server's port")
 	started := make(chan error, 1)
-	go func() { started <- n.Start() }()
+	go func() { started <- start() }()
 	select {
 	case err := <-started:
 		_ = taken.Close()
-		t.Fatalf("started while its port was taken: %v", err)
+		t.Fatalf("started while its port %d was taken: %v", port, err)
 	case <-time.After(500 * time.Millisecond): // the port stays taken that long
 	}
 	require.NoError(t, taken.Close())
@@ -155,10 +166,6 @@ func TestNATSStartedAgainWaitsForItsPort(t *testing.T) {
 	case err := <-started:
 		require.NoError(t, err)
 	case <-ctx.Done():
-		t.Fatal("Start did not return once its port was free")
+		t.Fatalf("Start did not return once its port %d was free", port)
 	}
-	require.Equal(t, port, n.Port)
-	nc, err := nats.Connect(n.URL())
-	require.NoError(t, err, "connect to the server started again")
-	nc.Close()
 }

@@ -39,16 +39,15 @@ type NATS struct {
 //
 // Port 0 has the server bind any free port itself (NATS.Port reports it), so that no other
 // listener can be given the port between its choice and the bind. A fixed port (a server
-// started again on the port it had) may have been given to another listener meanwhile: while
-// it is in use, StartNATS tries again, for up to a minute, and then fails naming the port.
+// started again on the port it had) may have been given to another listener meanwhile: see
+// StartServer.
 func StartNATS(storeDir string, port int) (*NATS, error) {
+	rebind := port != 0
 	if port == 0 {
 		port = -1 // the server's "any free port"; its 0 means the default port 4222
 	}
-	deadline := time.Now().Add(natsBindTimeout)
-	for {
-		// Options of its own for every try: the server rewrites the ones it is given.
-		srv, err := startNATSOnce(&server.Options{
+	srv, err := StartServer(func() *server.Options {
+		return &server.Options{
 			ServerName: "baton-throwaway",
 			Host:       "127.0.0.1",
 			Port:       port,
@@ -56,22 +55,37 @@ func StartNATS(storeDir string, port int) (*NATS, error) {
 			StoreDir:   storeDir,
 			NoSigs:     true,
 			NoLog:      true,
-		})
-		if err == nil {
-			return &NATS{Port: srv.Addr().(*net.TCPAddr).Port, srv: srv}, nil
 		}
-		if !errors.Is(err, syscall.EADDRINUSE) {
-			return nil, fmt.Errorf("nats server: %w", err)
+	}, rebind)
+	if err != nil {
+		return nil, fmt.Errorf("nats server: %w", err)
+	}
+	return &NATS{Port: srv.Addr().(*net.TCPAddr).Port, srv: srv}, nil
+}
+
+// StartServer starts a NATS server in this process with the options newOpts returns (new ones
+// for each try: the server rewrites those it is given) and waits until it accepts clients and
+// routes. A server that failed to start (a listener, JetStream) is shut down and its error
+// returned. With rebind — a server started again on the fixed ports it had, one of which
+// another listener may have been given meanwhile — a port in use is tried again every 250 ms
+// for up to a minute, after which the error names it.
+func StartServer(newOpts func() *server.Options, rebind bool) (*server.Server, error) {
+	deadline := time.Now().Add(natsBindTimeout)
+	for {
+		srv, err := startNATSOnce(newOpts())
+		if err == nil || !rebind || !errors.Is(err, syscall.EADDRINUSE) {
+			return srv, err
 		}
 		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("nats server: port %d still in use after %s: %w", port, natsBindTimeout, err)
+			// err names the port: "Error listening on port: ...: address already in use".
+			return nil, fmt.Errorf("a port still in use after %s: %w", natsBindTimeout, err)
 		}
 		time.Sleep(natsBindRetryWait) // nothing tells when the other listener lets go
 	}
 }
 
-// startNATSOnce starts a server with opts and waits until it accepts clients. A server that
-// failed to start (its listener, JetStream) is shut down, and its error returned.
+// startNATSOnce starts a server with opts and waits until it accepts clients and routes. A
+// server that failed to start (its listeners, JetStream) is shut down, and its error returned.
 func startNATSOnce(opts *server.Options) (*server.Server, error) {
 	srv, err := server.NewServer(opts)
 	if err != nil {
