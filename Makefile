@@ -34,8 +34,9 @@ test: lint ## make lint, every test with the race detector (needs PostgreSQL ser
 # The long tier: tests at the sizes reviewers reproduced defects with (a neighbour's
 # 10-million-row transaction), too heavy for CI's time budget. Files tagged `long`; run before
 # resolving an issue that touches what they cover.
-test-long: ## the long tier (go test -tags long -run '^TestLong'): heavy sizes CI does not run
+test-long: ## the long tier (go test -tags long -run '^TestLong', make fuzz FUZZTIME=500000x): heavy sizes CI does not run
 	$(GO) test -tags long -count=1 -timeout 60m -run '^TestLong' ./...
+	$(MAKE) --no-print-directory fuzz FUZZTIME=$(FUZZTIME_LONG)
 
 # Each fuzz target runs FUZZTIME on top of its seeds and its checked-in corpus
 # (testdata/fuzz/<target>/). A failure writes the failing input there: commit it with the fix.
@@ -43,8 +44,10 @@ test-long: ## the long tier (go test -tags long -run '^TestLong'): heavy sizes C
 # FUZZTIME counts inputs, not seconds: with a duration, Go 1.26's fuzzing coordinator can fail
 # a target with "context deadline exceeded" at the deadline, without any failing input
 # (golang/go#75804, fixed in Go 1.27); CI met it under load. On an idle 2-core machine
-# 50000x takes 2-30s a target, under two minutes in all.
-FUZZTIME ?= 50000x
+# 20000x takes 1-10s a target (50000x took 2-30s, two and a half minutes in all: CI's time
+# budget); make test-long fuzzes each target on FUZZTIME_LONG inputs.
+FUZZTIME ?= 20000x
+FUZZTIME_LONG ?= 500000x
 fuzz: ## run every fuzz target on FUZZTIME inputs (default 50000x) each
 	@set -e; for dir in $$(git ls-files '*_test.go' | xargs grep -l '^func Fuzz' | xargs -n1 dirname | sort -u); do \
 		for target in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$dir/*_test.go); do \
