@@ -169,7 +169,11 @@ func TestFullOutcomesStreamDropsTheOldest(t *testing.T) {
 	for _, m := range outcomes {
 		ids = append(ids, m.header.Get(wire.HeaderMessageID))
 	}
-	require.Equal(t, []string{"r7", "r8", "r9"}, ids, "the newest three")
+	// The newest outcomes, three beside the fence; two when a refresh's deletion of the fence
+	// it replaced did not happen (best effort, fence.go: the next session's write removes
+	// it), as seen once in CI under load.
+	all := []string{"r0", "r1", "r2", "r3", "r4", "r5", "r6", "r7", "r8", "r9"}
+	require.Contains(t, [][]string{all[7:], all[8:]}, ids, "the newest outcomes, in order")
 	require.Zero(t, metricValue(t, reg, "baton_relay_stream_full", "stream", "AGENT_OUTCOMES"))
 	require.Zero(t, metricValue(t, reg, "baton_relay_reconnects_total", "", ""), "no session ended")
 }
