@@ -239,7 +239,15 @@ func processIsFencedOut(t *testing.T, replicas int, fault processFault) {
 	b, server := fenceWorld(t, replicas)
 	ctx := ctxT(t, 3*time.Minute)
 	const window = time.Second
-	setWalSenderTimeout(t, b, 3*time.Second)
+	// A frozen or paused relay A lets go of the slot once its walsender times out: short, so
+	// that B takes over within the test. A's session in the reconnect case must end on its
+	// missing PubAcks instead, with its Postgres path healthy: a walsender timeout of seconds
+	// ended it first once in CI, under load.
+	walSenderTimeout := 3 * time.Second
+	if fault == faultReconnect {
+		walSenderTimeout = 50 * time.Second
+	}
+	setWalSenderTimeout(t, b, walSenderTimeout)
 	convs := conversationIDs(5)
 	createConversations(t, b.db.Pool, convs...)
 	u, err := url.Parse(server)
