@@ -150,6 +150,13 @@ func TestChaosChecksCatchDefects(t *testing.T) {
 			<-exited
 			return func() { p.start(t) }
 		}, func(c *checker) { c.checkCrashes() }},
+		// Last: Postgres's log keeps the refusal, which no undo takes back.
+		{"a statement that needs a privilege the roles lack", "privilege errors", func() func() {
+			worker := rolePool(t, ctx, s.pg, roleOf("worker"), 1)
+			_, err := worker.Exec(ctx, `DELETE FROM agent_outbox WHERE id = $1`, firstOutbox)
+			require.ErrorContains(t, err, "42501", "baton_worker deletes no outbox row")
+			return func() {}
+		}, func(c *checker) { c.checkPrivileges() }},
 	}
 	for _, tc := range cases {
 		undo := func() {}

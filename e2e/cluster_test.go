@@ -173,7 +173,7 @@ func startClusterSystem(t *testing.T, ctx context.Context) (*system, *testsvc.Cl
 		t.Fatalf("connect to nats: %v", err)
 	}
 	t.Cleanup(nc.Close)
-	s := &system{t: t, pg: pg, pool: pool, nc: nc, named: map[string]*proc{}}
+	s := &system{t: t, pg: pg, pool: pool, app: rolePool(t, ctx, pg, "baton_app", 6), nc: nc, named: map[string]*proc{}}
 
 	bins := testsvc.Binaries(t, "github.com/batonhq/baton/cmd/baton", "github.com/batonhq/baton/examples/echoagent",
 		"github.com/batonhq/baton/examples/subscriber")
@@ -187,7 +187,7 @@ func startClusterSystem(t *testing.T, ctx context.Context) (*system, *testsvc.Cl
 				pool = fmt.Sprintf("&pool_max_conns=%d", workerPoolMax)
 			}
 			p.env = append(p.env, fmt.Sprintf("BATON_DATABASE_URL=%s&application_name=%s%s",
-				pg.URL("postgres"), name, pool), "BATON_METRICS_ADDR="+p.metricsAddr)
+				roleURL(pg, roleOf(kind)), name, pool), "BATON_METRICS_ADDR="+p.metricsAddr)
 		}
 		s.procs = append(s.procs, p)
 		s.named[name] = p

@@ -8,11 +8,16 @@
 //	go test ./e2e -run Chaos -v -chaos.seed=1234      # replay a run's fault schedule
 //
 // TestChaos starts a throwaway PostgreSQL and a NATS server with JetStream, two `baton relay`
-// processes (one streams, the other stands by on the slot's advisory lock), three
+// processes (one streams, the other stands by until the slot is free), three
 // examples/echoagent workers (100ms model latency, the read tool; the third also calls the write
 // tool; a 3s lease) and examples/subscriber --json. Each process reaches Postgres and NATS
 // through TCP proxies of its own (internal/testsvc.Proxy), so network faults hit one process
-// at a time. Producers in the test send about 40 messages a second over 139 conversations,
+// at a time, and logs in as its deploy/postgres/roles.sql role (baton_relay, baton_worker; the
+// producers baton_app). Beside them a neighbour (neighbour_test.go), logged in as an ordinary
+// role with a schema of its own and a connection limit, does at random moments what such a role
+// may: million-row transactions, DDL, long-open transactions, logical messages of its own
+// prefix up to 12 MiB and malformed or foreign baton.answers messages, and it holds every
+// advisory key Baton takes or took. Producers in the test send about 40 messages a second over 139 conversations,
 // some with ids that NATS subjects, headers or logs could mistake for something else
 // (wildcards, dots, spaces, control characters, non-ASCII, 200 bytes), and retry every
 // failed send with the same message id until it is accepted.
@@ -40,7 +45,8 @@
 //   - the subscriber printed each outcome once (after its dedupe) and each conversation's in
 //     commit order;
 //   - the slot's confirmed LSN caught up with the WAL, every turn event was acked, the
-//     dead-letter stream is empty;
+//     dead-letter stream holds nothing but the neighbour's malformed baton.answers messages;
+//   - Postgres refused none of Baton's roles a privilege (SQLSTATE 42501 in its log);
 //   - no goroutine or connection leak in the processes (goroutines from /metrics against the
 //     idle count before the load; connections counted at each process's proxies), and no
 //     process exited unless the test stopped it.
@@ -52,7 +58,8 @@
 // TestChaosChecksCatchDefects runs the same system briefly without faults, then plants one
 // defect at a time (a lost reply, a second reply, an unjustified visible error, a doubled
 // write, overlapping runs, a row left processing, an outcome printed twice or out of order,
-// a dead-letter record, a leaked connection, a process that died) and requires the checks to
+// a dead-letter record, a leaked connection, a process that died, a statement that needs a
+// privilege the roles lack) and requires the checks to
 // report each: a check that cannot fail would let a chaos run pass whatever Baton did.
 //
 // # The JetStream cluster run

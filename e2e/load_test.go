@@ -66,7 +66,7 @@ func (s *system) startLoad(ctx context.Context) *load {
 	}
 	convs := conversations()
 	for _, c := range convs {
-		if _, err := p.CreateConversation(ctx, s.pool, c); err != nil {
+		if _, err := p.CreateConversation(ctx, s.app, c); err != nil {
 			t.Fatalf("create conversation %q: %v", c, err)
 		}
 	}
@@ -117,7 +117,7 @@ func (s *system) startLoad(ctx context.Context) *load {
 func (l *load) send(ctx context.Context, p *producer.Producer, s *system, m producer.Message) bool {
 	for {
 		cctx, cancel := context.WithTimeout(ctx, sendCallTimeout)
-		res, err := p.Send(cctx, s.pool, m)
+		res, err := p.Send(cctx, s.app, m)
 		cancel()
 		switch {
 		case err == nil:

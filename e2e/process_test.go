@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -47,7 +48,13 @@ type proc struct {
 	expecting bool
 	crashes   []string
 	starts    int
+	// busyWaits counts a relay's waits on its walsender busy decoding (a neighbour's bulk
+	// transaction), from its log.
+	busyWaits atomic.Int64
 }
+
+// walsenderBusyLog starts the relay's log line of a wait on its walsender busy decoding.
+const walsenderBusyLog = "the walsender is busy decoding"
 
 // start starts a new run of the process.
 func (p *proc) start(t *testing.T) {
@@ -61,6 +68,9 @@ func (p *proc) start(t *testing.T) {
 	cmd.Env = append(os.Environ(), p.env...)
 	p.log.note("start #%d", p.starts+1)
 	cmd.Stderr = io.MultiWriter(p.log, &testsvc.LineWriter{Line: func(line string) {
+		if strings.Contains(line, walsenderBusyLog) {
+			p.busyWaits.Add(1)
+		}
 		if addr, ok := opsserver.ListeningAddr(line, opsserver.MetricsListening); ok {
 			p.mu.Lock()
 			defer p.mu.Unlock()

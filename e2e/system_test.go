@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/url"
 	"strings"
 	"sync"
 	"syscall"
@@ -37,7 +38,8 @@ type system struct {
 	t     *testing.T
 	pg    *testsvc.Postgres
 	nats  *testsvc.NATS
-	pool  *pgxpool.Pool // the test's own connections, straight to Postgres
+	pool  *pgxpool.Pool // the test's own connections, straight to Postgres, as the owner
+	app   *pgxpool.Pool // the producers' connections, as roles.sql's baton_app
 	nc    *nats.Conn    // the test's own connection, straight to NATS
 	procs []*proc
 	named map[string]*proc
@@ -98,7 +100,7 @@ func startSystem(t *testing.T, ctx context.Context) *system {
 	}
 	t.Cleanup(nc.Close)
 
-	s := &system{t: t, pg: pg, nats: n, pool: pool, nc: nc, named: map[string]*proc{}}
+	s := &system{t: t, pg: pg, nats: n, pool: pool, app: rolePool(t, ctx, pg, "baton_app", 6), nc: nc, named: map[string]*proc{}}
 	bins := testsvc.Binaries(t, "github.com/batonhq/baton/cmd/baton", "github.com/batonhq/baton/examples/echoagent",
 		"github.com/batonhq/baton/examples/subscriber")
 	baton, echoagent, subscriber := bins[0], bins[1], bins[2]
@@ -118,8 +120,8 @@ func startSystem(t *testing.T, ctx context.Context) *system {
 			p.pg = testsvc.StartProxy(t, pgTarget)
 			p.metricsAddr = opsserver.AnyPort
 			p.env = append(p.env,
-				fmt.Sprintf("BATON_DATABASE_URL=postgres://postgres@%s/postgres?sslmode=disable&application_name=%s%s",
-					p.pg.Addr(), name, pool),
+				fmt.Sprintf("BATON_DATABASE_URL=postgres://%s@%s/postgres?sslmode=disable&application_name=%s%s",
+					roleOf(kind), p.pg.Addr(), name, pool),
 				"BATON_METRICS_ADDR="+p.metricsAddr)
 		}
 		s.procs = append(s.procs, p)
@@ -132,7 +134,11 @@ func startSystem(t *testing.T, ctx context.Context) *system {
 		return p
 	}
 	for i := range 2 {
-		r := add(fmt.Sprintf("relay-%d", i), "relay", baton, []string{"relay"}, true)
+		// A lowered minimum silence: the neighbour's bulk transactions keep the walsender
+		// busy, silent, for longer than that; and a lowered cut, below the neighbour's
+		// largest logical messages (neighbour_test.go).
+		r := add(fmt.Sprintf("relay-%d", i), "relay", baton, []string{"relay", "--status-interval", "250ms", "--min-silence", "1s",
+			"--max-change-bytes", fmt.Sprint(8 << 20)}, true)
 		r.env = append(r.env, "BATON_FATAL_LINGER=0")
 	}
 	for i := range 3 {
@@ -234,8 +240,61 @@ func (s *system) logs(n int) string {
 	return b.String()
 }
 
+// roleOf is the roles.sql role a process of kind logs in as, as deployed.
+func roleOf(kind string) string {
+	switch kind {
+	case "relay":
+		return "baton_relay"
+	case "worker":
+		return "baton_worker"
+	}
+	panic("e2e: no role for a process of kind " + kind)
+}
+
+// roleURL is pg's URL of its postgres database, logged in as role (the cluster trusts local
+// connections: no password).
+func roleURL(pg *testsvc.Postgres, role string) string {
+	u, err := url.Parse(pg.URL("postgres"))
+	if err != nil {
+		panic("e2e: the throwaway cluster's URL: " + err.Error())
+	}
+	u.User = url.User(role)
+	return u.String()
+}
+
+// rolePool returns a pool of at most maxConns on pg's postgres database, logged in as role.
+func rolePool(t *testing.T, ctx context.Context, pg *testsvc.Postgres, role string, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	pcfg, err := pgxpool.ParseConfig(roleURL(pg, role))
+	if err != nil {
+		t.Fatalf("pool config: %v", err)
+	}
+	pcfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		t.Fatalf("pool as %s: %v", role, err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// checkPrivileges fails the run when Postgres refused one of Baton's roles a privilege
+// (SQLSTATE 42501 in its log): such an error can hide where the code drops it.
+func (c *checker) checkPrivileges() {
+	lines, err := testsvc.PrivilegeErrors(c.s.pg.LogPath(), "postgres")
+	if err != nil {
+		c.fail("read the Postgres log for privilege errors: %v", err)
+		return
+	}
+	if len(lines) > 0 {
+		c.fail("privilege errors of Baton's roles (SQLSTATE 42501; roles.sql lacks a grant, or the code needs one it should not):\n%s",
+			strings.Join(lines, "\n"))
+	}
+}
+
 // startMigratedPostgres starts a throwaway cluster of the test's own (the runs stop and crash
-// it), migrates its postgres database and returns it with a pool of at most maxConns.
+// it), migrates its postgres database, applies deploy/postgres/roles.sql (the processes log in
+// as its roles) and returns it with a pool of at most maxConns, as the owner.
 func startMigratedPostgres(t *testing.T, ctx context.Context, maxConns int32) (*testsvc.Postgres, *pgxpool.Pool) {
 	t.Helper()
 	pg, err := testsvc.StartPostgres(ctx)
@@ -253,6 +312,13 @@ func startMigratedPostgres(t *testing.T, ctx context.Context, maxConns int32) (*
 	}
 	if _, err := migrations.Up(ctx, conn); err != nil {
 		t.Fatalf("migrate: %v", err)
+	}
+	roles, err := testsvc.RolesSQL("baton") // roles.sql's own names: the cluster is the test's
+	if err != nil {
+		t.Fatalf("roles.sql: %v", err)
+	}
+	if _, err := conn.Exec(ctx, roles); err != nil {
+		t.Fatalf("apply roles.sql: %v", err)
 	}
 	_ = conn.Close(ctx)
 	pcfg, err := pgxpool.ParseConfig(pg.URL("postgres"))

@@ -42,6 +42,11 @@ func (db *Database) checkPrivilegeErrors(t testing.TB) {
 	}
 }
 
+// PrivilegeErrors returns the lines of the throwaway cluster's log at path (Postgres.LogPath)
+// that record SQLSTATE 42501 by one of Baton's roles (roles.sql's names, or a test binary's) in
+// database db: for a test that runs Baton's processes as their roles on a cluster of its own.
+func PrivilegeErrors(path, db string) ([]string, error) { return privilegeErrors(path, db) }
+
 // privilegeErrors returns the log lines (and the statement lines after them) of SQLSTATE 42501
 // by a Baton role in database db.
 func privilegeErrors(path, db string) ([]string, error) {
