@@ -17,7 +17,7 @@
 // role with a schema of its own and a connection limit, does at random moments what such a role
 // may: million-row transactions, DDL, long-open transactions, logical messages of its own
 // prefix up to 12 MiB and malformed or foreign baton.answers messages, and it holds every
-// advisory key Baton takes or took. Producers in the test send about 40 messages a second over 139 conversations,
+// advisory key Baton takes or took, all the run. Producers in the test send about 40 messages a second over 139 conversations,
 // some with ids that NATS subjects, headers or logs could mistake for something else
 // (wildcards, dots, spaces, control characters, non-ASCII, 200 bytes), and retry every
 // failed send with the same message id until it is accepted.

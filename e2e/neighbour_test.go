@@ -20,7 +20,7 @@ const (
 	// stay free, see neighbourConns).
 	neighbourRole = "neighbour"
 	// neighbourConns is its CONNECTION LIMIT and its pool's size: the advisory-lock holder,
-	// a long-open transaction and the actions.
+	// a long-open transaction, a bulk transaction and the other actions.
 	neighbourConns = 4
 	// neighbourMaxMessage is the largest logical decoding message it emits: past the chaos
 	// relays' --max-change-bytes (8 MiB), where the relay cuts a message as it arrives.
@@ -33,12 +33,11 @@ var neighbourActions = []struct {
 	kind   string
 	weight int
 }{
-	{"bulk", 1},     // one transaction of neighbourBulkRows rows into its own table
-	{"ddl", 2},      // create, alter and drop a table of its own
-	{"open-tx", 2},  // a transaction that writes, then stays open 5-20s
-	{"message", 3},  // a logical decoding message of its own prefix: small or large, transactional or not
-	{"answers", 3},  // a baton.answers message: malformed, huge, or naming ids it does not own
-	{"advisory", 1}, // every advisory key Baton uses or used, held 5-20s (also held all the run)
+	{"bulk", 1},    // one transaction of neighbourBulkRows rows into its own table
+	{"ddl", 2},     // create, alter and drop a table of its own
+	{"open-tx", 2}, // a transaction that writes, then stays open 5-20s
+	{"message", 3}, // a logical decoding message of its own prefix: small or large, transactional or not
+	{"answers", 3}, // a baton.answers message: malformed, huge, or naming ids it does not own
 }
 
 // neighbourBulkRows is the size of a bulk transaction: the walsender decodes it (busy, silent)
@@ -93,7 +92,8 @@ func (s *system) startNeighbour(ctx context.Context, seed uint64) (wait func() m
 }
 
 // holdAdvisoryLocks holds every advisory key Baton uses or used for the whole run, on one
-// connection, taking them again after a Postgres restart.
+// connection of its own, which it checks every second: after a Postgres restart broke it, it
+// takes the keys again on a new one (counted as neighbour-advisory).
 func (n *neighbour) holdAdvisoryLocks(ctx context.Context) {
 	for ctx.Err() == nil {
 		err := n.withConn(ctx, func(conn *pgx.Conn) error {
@@ -102,11 +102,19 @@ func (n *neighbour) holdAdvisoryLocks(ctx context.Context) {
 					return err
 				}
 			}
-			<-ctx.Done()
+			n.count("advisory")
+			for sleep(ctx, time.Second) {
+				if _, err := conn.Exec(ctx, "SELECT 1"); err != nil {
+					return err
+				}
+			}
 			return nil
 		})
-		if err != nil && !sleep(ctx, time.Second) {
-			return
+		if err != nil {
+			n.done(ctx, "advisory", err)
+			if !sleep(ctx, time.Second) {
+				return
+			}
 		}
 	}
 }
@@ -175,24 +183,11 @@ func (n *neighbour) act(ctx context.Context) {
 				return n.exec(ctx, `SELECT pg_logical_emit_message($1, 'neighbour.app', repeat('m', $2))`, transactional, size)
 			case "answers":
 				return n.exec(ctx, `SELECT pg_logical_emit_message($1, 'baton.answers', $2::text)`, transactional, answers)
-			case "advisory":
-				return n.withConn(ctx, func(conn *pgx.Conn) error {
-					keys := make([]string, len(advisoryKeys))
-					for i, k := range advisoryKeys {
-						keys[i] = "pg_advisory_lock(" + k + "::bigint)"
-					}
-					if _, err := conn.Exec(ctx, "SELECT "+strings.Join(keys, ", ")); err != nil {
-						return err
-					}
-					sleep(ctx, hold)
-					_, err := conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock_all()")
-					return err
-				})
 			}
 			return nil
 		}
 		n.count(kind)
-		if kind == "open-tx" || kind == "advisory" || kind == "bulk" {
+		if kind == "open-tx" || kind == "bulk" {
 			wg.Go(func() { n.done(ctx, kind, run()) })
 			continue
 		}

@@ -88,6 +88,12 @@ func TestPickThenReleaseIsFound(t *testing.T) {
 				}
 				return ps
 			}`, 1},
+		{"declared with var", `
+			func freePort() int {
+				var l, _ = net.Listen("tcp", "127.0.0.1:0")
+				defer l.Close()
+				return l.Addr().(*net.TCPAddr).Port
+			}`, 1},
 		{"served", `
 			func serve(ctx context.Context) error {
 				ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -154,17 +160,28 @@ func pickThenRelease(f *ast.File) []token.Pos {
 // body, by name, with the call's position.
 func listeners(body *ast.BlockStmt) map[string]token.Pos {
 	ls := map[string]token.Pos{}
-	ast.Inspect(body, func(n ast.Node) bool {
-		as, ok := n.(*ast.AssignStmt)
-		if !ok || len(as.Rhs) != 1 || len(as.Lhs) == 0 {
-			return true
+	add := func(lhs ast.Expr, rhs []ast.Expr) {
+		if len(rhs) != 1 {
+			return
 		}
-		call, ok := as.Rhs[0].(*ast.CallExpr)
+		call, ok := rhs[0].(*ast.CallExpr)
 		if !ok || !isListen(call.Fun) {
-			return true
+			return
 		}
-		if id, ok := as.Lhs[0].(*ast.Ident); ok && id.Name != "_" {
+		if id, ok := lhs.(*ast.Ident); ok && id.Name != "_" {
 			ls[id.Name] = call.Pos()
+		}
+	}
+	ast.Inspect(body, func(n ast.Node) bool {
+		switch x := n.(type) {
+		case *ast.AssignStmt: // ln, err := net.Listen(...)
+			if len(x.Lhs) > 0 {
+				add(x.Lhs[0], x.Rhs)
+			}
+		case *ast.ValueSpec: // var ln, err = net.Listen(...)
+			if len(x.Names) > 0 {
+				add(x.Names[0], x.Values)
+			}
 		}
 		return true
 	})
@@ -215,6 +232,12 @@ func usedOnlyForAddrAndClose(body *ast.BlockStmt, name string) bool {
 		case *ast.AssignStmt:
 			for _, l := range x.Lhs {
 				if id, ok := l.(*ast.Ident); ok && id.Name == name {
+					selected[id] = true // the declaration
+				}
+			}
+		case *ast.ValueSpec:
+			for _, id := range x.Names {
+				if id.Name == name {
 					selected[id] = true // the declaration
 				}
 			}
