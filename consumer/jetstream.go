@@ -164,6 +164,11 @@ func consumerGone(ctx context.Context, cons jetstream.Consumer) bool {
 	return errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrStreamNotFound)
 }
 
+// TurnEventReceivedLog is the message of the debug log line a worker writes for each turn
+// event it receives and can read, with its outbox_id, stream_seq and delivered count (in that
+// order) and its conversation_id.
+const TurnEventReceivedLog = "turn event received"
+
 // onEvent hands a turn event to its conversation's loop. A malformed event is terminated:
 // no redelivery can make it readable. So is an event whose subject is not the turn subject of
 // the conversation its body names (counted as misaddressed, logged at error level): the
@@ -179,11 +184,16 @@ func (s *jetStreamSource) onEvent(ctx context.Context, msg jetstream.Msg) {
 		w.m.events.WithLabelValues("terminated").Inc()
 		return
 	}
+	var seq, delivered uint64
+	if md, err := msg.Metadata(); err == nil {
+		seq, delivered = md.Sequence.Stream, md.NumDelivered
+	}
+	// Which stored copy of which row reached this worker: the chaos run reads these lines
+	// to check that the stream held each row once, in order (e2e/checks_test.go). The ids
+	// come first, before the conversation id that an attacker may choose.
+	w.cfg.Logger.Debug(TurnEventReceivedLog, "outbox_id", ev.OutboxID, "stream_seq", seq, "delivered", delivered,
+		"conversation_id", ev.ConversationID)
 	if err := checkTurnSubject(w.cfg.SubjectPrefix, msg.Subject(), ev.ConversationID); err != nil {
-		var seq uint64
-		if md, err := msg.Metadata(); err == nil {
-			seq = md.Sequence.Stream
-		}
 		w.cfg.Logger.Error("turn event on another conversation's subject; terminating it", "subject", msg.Subject(),
 			"conversation_id", ev.ConversationID, "outbox_id", ev.OutboxID, "stream_seq", seq, "error", err)
 		_ = msg.TermWithReason("subject names another conversation than the body")
@@ -193,10 +203,6 @@ func (s *jetStreamSource) onEvent(ctx context.Context, msg jetstream.Msg) {
 	if ctx.Err() != nil {
 		_ = msg.Nak()
 		return
-	}
-	var seq uint64
-	if md, err := msg.Metadata(); err == nil {
-		seq = md.Sequence.Stream
 	}
 	w.schedule(ctx, ev.ConversationID, &event{outboxID: ev.OutboxID, seq: seq, d: jsDelivery{msg: msg, m: w.m}}, ev.CreatedAt)
 }

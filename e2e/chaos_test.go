@@ -22,42 +22,62 @@ import (
 var (
 	chaosDuration = flag.Duration("chaos.duration", 140*time.Second,
 		"how long the chaos run sends and injects faults (setup and drain come on top, about a minute)")
-	chaosSeed = flag.Uint64("chaos.seed", 0, "seed of the fault schedule, to replay a run (0: a random one)")
+	chaosSeed    = flag.Uint64("chaos.seed", 0, "seed of the fault schedule, to replay a run (0: a random one)")
+	chaosCluster = flag.Duration("chaos.cluster", 60*time.Second,
+		"how long TestChaosCluster, the chaos run on a 3-node JetStream cluster with R3 streams, sends and injects faults")
 )
 
 // drainTimeout bounds the wait, after the faults, for every accepted message to end.
 const drainTimeout = 2 * time.Minute
 
-func TestChaos(t *testing.T) {
+// TestChaos runs the whole system, every program a process, through a schedule of faults
+// drawn from a seed, beside a neighbour, and checks what it did (see README, the chaos run).
+func TestChaos(t *testing.T) { runChaos(t, *chaosDuration, false) }
+
+// TestChaosCluster is the chaos run on a 3-node JetStream cluster with R3 streams, where
+// NATS faults stop one node (often a stream's leader) and the stream fence works hardest.
+func TestChaosCluster(t *testing.T) { runChaos(t, *chaosCluster, true) }
+
+// runChaos runs the system for length through the faults of a schedule, on one NATS server
+// or on a cluster, and checks it.
+func runChaos(t *testing.T, length time.Duration, cluster bool) {
 	seed := *chaosSeed
 	if seed == 0 {
 		seed = rand.Uint64N(1<<53) + 1
 	}
-	t.Logf("chaos seed %d (replay with -chaos.seed=%d), duration %v", seed, seed, *chaosDuration)
+	lengthFlag, test := "chaos.duration", "TestChaos"
+	if cluster {
+		lengthFlag, test = "chaos.cluster", "TestChaosCluster"
+	}
+	t.Logf("chaos seed %d (replay with -chaos.seed=%d), duration %v, cluster %v", seed, seed, length, cluster)
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("CHAOS RUN FAILED: replay with go test ./e2e -run Chaos -chaos.seed=%d -chaos.duration=%v", seed, *chaosDuration)
+			t.Logf("CHAOS RUN FAILED: replay with go test ./e2e -run '^%s$' -chaos.seed=%d -%s=%v", test, seed, lengthFlag, length)
 		}
 	})
-	faults := schedule(seed, *chaosDuration)
-	background := backgroundSchedule(seed, *chaosDuration)
+	faults := schedule(seed, length)
+	background := backgroundSchedule(seed, length)
 	for _, f := range faults {
 		t.Logf("scheduled %v", f)
 	}
 	for _, f := range background {
 		t.Logf("scheduled in the background %v", f)
 	}
-	ctx, cancel := context.WithTimeout(t.Context(), *chaosDuration+drainTimeout+5*time.Minute)
+	ctx, cancel := context.WithTimeout(t.Context(), length+drainTimeout+5*time.Minute)
 	defer cancel()
 
 	began := time.Now()
-	s := startSystem(t, ctx)
+	// The neighbour comes first: its transaction is open across the slot's creation.
+	var slotWait func() string
+	s := startSystem(t, ctx, cluster, func(s *system) {
+		if err := createNeighbour(ctx, s); err != nil {
+			t.Fatal(err)
+		}
+		slotWait = s.openAcrossSlotCreation(ctx)
+	})
+	t.Logf("neighbour's transaction open across the slot's creation: %s", slotWait())
 	baseline := s.idleGoroutines(ctx)
 	t.Logf("system up in %v; idle goroutines %v", time.Since(began).Round(time.Millisecond), baseline)
-
-	if err := createNeighbour(ctx, s); err != nil {
-		t.Fatal(err)
-	}
 	neighbourCtx, stopNeighbour := context.WithCancel(ctx)
 	defer stopNeighbour()
 	neighbourDone := s.startNeighbour(neighbourCtx, seed)
@@ -69,7 +89,7 @@ func TestChaos(t *testing.T) {
 	for k, n := range <-bgDone {
 		counts[k] += n
 	}
-	sleep(ctx, time.Until(start.Add(*chaosDuration)))
+	sleep(ctx, time.Until(start.Add(length)))
 	stopNeighbour()
 	for k, n := range neighbourDone() {
 		counts[k] += n
@@ -95,8 +115,8 @@ func TestChaos(t *testing.T) {
 	for _, p := range s.procs {
 		busy += p.busyWaits.Load()
 	}
-	t.Logf("chaos: messages=%d faults=%s replies=%d visible_errors=%d lost=%d doubled=%d neighbour_dead_letters=%d walsender_busy_waits=%d seed=%d",
-		len(sent), strings.Join(kinds, ","), c.replies, c.visibleErrors, c.lost, c.doubled, c.neighbourDeadLetters, busy, seed)
+	t.Logf("chaos: cluster=%v messages=%d faults=%s replies=%d visible_errors=%d lost=%d doubled=%d finished_unpublished=%d neighbour_dead_letters=%d walsender_busy_waits=%d seed=%d",
+		cluster, len(sent), strings.Join(kinds, ","), c.replies, c.visibleErrors, c.lost, c.doubled, c.unpublished, c.neighbourDeadLetters, busy, seed)
 	if len(c.failures) > 0 {
 		t.Errorf("%d failures:\n%s", len(c.failures), strings.Join(c.failures, "\n"))
 		t.Logf("state: %s", c.state())
@@ -146,8 +166,12 @@ type checker struct {
 
 	failures                              []string
 	replies, visibleErrors, lost, doubled int
-	neighbourDeadLetters                  int               // the neighbour's baton.answers messages set aside
-	nonUser                               map[string]string // reply message id -> conversation
+	neighbourDeadLetters                  int // the neighbour's baton.answers messages set aside
+	// unpublished counts the outbox rows whose turn event a relay's replay check did not
+	// publish because the row was finished already.
+	unpublished int
+	nonUser     map[string]string // reply message id -> conversation
+	outboxConv  map[int64]string  // outbox id -> conversation
 }
 
 func newChecker(t *testing.T, ctx context.Context, s *system) *checker {
@@ -233,8 +257,10 @@ func (c *checker) check(sent []accepted) {
 		return
 	}
 	byMsg := map[string]row{}
+	c.outboxConv = map[int64]string{}
 	for _, r := range rows {
 		byMsg[r.MessageID] = r
+		c.outboxConv[r.OutboxID] = r.ConversationID
 	}
 	if len(rows) != len(sent) {
 		c.fail("agent_outbox holds %d rows, the producers had %d messages accepted", len(rows), len(sent))
@@ -523,9 +549,8 @@ func withStreamSeqs(stored []storedOutcome) map[string][]string {
 	return orders
 }
 
-// checkStreamOrder checks that the outcomes stream holds each conversation's outcomes once
-// each (a repeat after the stream's duplicate window aside) in commit order: what the relay
-// promises, whatever a subscriber then does.
+// checkStreamOrder checks that the outcomes stream holds each conversation's outcomes, each
+// once, in commit order: what the relay promises, whatever a subscriber then does.
 func (c *checker) checkStreamOrder() {
 	want, err := c.commitOrder()
 	if err != nil {
@@ -536,6 +561,10 @@ func (c *checker) checkStreamOrder() {
 	if err != nil {
 		c.fail("read the outcomes stream: %v", err)
 		return
+	}
+	for _, r := range repeats(stored) {
+		c.doubled++
+		c.fail("%s", r)
 	}
 	got, seen := map[string][]string{}, map[string]bool{}
 	for _, o := range stored {
@@ -554,7 +583,8 @@ func (c *checker) checkStreamOrder() {
 }
 
 // checkStreams checks the slot's confirmed position caught up with the WAL, every turn event
-// was acked, and nothing went to the dead-letter stream.
+// was acked, what the turns and outcomes streams held, and that nothing went to the
+// dead-letter stream.
 func (c *checker) checkStreams() {
 	var target string
 	if err := c.s.pool.QueryRow(c.ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&target); err != nil {
@@ -604,6 +634,7 @@ func (c *checker) checkStreams() {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+	c.checkTurnStream()
 	c.checkStreamOrder()
 	c.checkDeadLetters(ctx, js)
 }
@@ -686,7 +717,10 @@ func (c *checker) checkLeaks(baseline map[string]float64) {
 				}
 				figures += fmt.Sprintf(" goroutines=%.0f", n)
 			}
-			n := p.nats.Conns()
+			n := 0
+			for _, px := range p.nats {
+				n += px.Conns()
+			}
 			if n != 1 {
 				problems = append(problems, fmt.Sprintf("%s has %d connections to NATS, want 1", p.name, n))
 			}

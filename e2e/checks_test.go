@@ -2,7 +2,10 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -11,6 +14,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
+
+	"github.com/batonhq/baton/wire"
 )
 
 // TestChaosChecksCatchDefects runs the system without faults, checks it passes the chaos run's
@@ -20,7 +25,7 @@ import (
 func TestChaosChecksCatchDefects(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
 	defer cancel()
-	s := startSystem(t, ctx)
+	s := startSystem(t, ctx, false, nil)
 	baseline := s.idleGoroutines(ctx)
 	l := s.startLoad(ctx)
 	require.Eventually(t, func() bool {
@@ -60,6 +65,32 @@ func TestChaosChecksCatchDefects(t *testing.T) {
 		}
 	}
 	require.NotEmpty(t, twice, "a conversation with two outcomes")
+	var twiceFirst int64 // the first outbox row of that conversation
+	require.NoError(t, s.pool.QueryRow(ctx, `SELECT min(id) FROM agent_outbox WHERE conversation_id = $1`, twice).Scan(&twiceFirst))
+	js, err := jetstream.New(s.nc)
+	require.NoError(t, err)
+	// plantTurnEvent stores one more turn event for an outbox row, as the relay writes it but
+	// under a Msg-Id of its own (no duplicate window stops it), waits until a worker received
+	// it, and returns the undo: the workers' records of it forgotten (it was acked and is gone).
+	plantTurnEvent := func(outboxID int64) func() {
+		var ev wire.TurnEvent
+		require.NoError(t, s.pool.QueryRow(ctx, `SELECT id, conversation_id, message_id, 'pending', 0, created_at
+			FROM agent_outbox WHERE id = $1`, outboxID).Scan(&ev.OutboxID, &ev.ConversationID, &ev.MessageID, &ev.Status, &ev.Attempts, &ev.CreatedAt))
+		subject, err := wire.TurnSubject("agent", ev.ConversationID)
+		require.NoError(t, err)
+		msg := nats.NewMsg(subject)
+		msg.Data, err = json.Marshal(ev)
+		require.NoError(t, err)
+		msg.Header.Set(wire.HeaderOutboxID, strconv.FormatInt(outboxID, 10))
+		msg.Header.Set(jetstream.MsgIDHeader, fmt.Sprintf("planted:%d:%d", outboxID, time.Now().UnixNano()))
+		ack, err := js.PublishMsg(ctx, msg)
+		require.NoError(t, err)
+		require.Eventually(t, func() bool {
+			recs, _ := s.deliveries.snapshot()
+			return slices.Contains(recs, delivery{outboxID, ack.Sequence})
+		}, 30*time.Second, 50*time.Millisecond, "a worker receives the planted turn event")
+		return func() { s.deliveries.dropFrom(ack.Sequence) }
+	}
 
 	cases := []struct {
 		name, want string
@@ -127,9 +158,7 @@ func TestChaosChecksCatchDefects(t *testing.T) {
 			return func() { exec(swap, a, b) }
 		}, func(c *checker) { c.checkStreamOrder() }},
 		{"a record in the dead-letter stream", "dead-letter", func() func() {
-			js, err := jetstream.New(s.nc)
-			require.NoError(t, err)
-			_, err = js.Publish(ctx, "agent.deadletter.turn", []byte("{}"))
+			_, err := js.Publish(ctx, "agent.deadletter.turn", []byte("{}"))
 			require.NoError(t, err)
 			return func() {
 				st, err := js.Stream(ctx, "AGENT_DEADLETTER")
@@ -138,7 +167,7 @@ func TestChaosChecksCatchDefects(t *testing.T) {
 			}
 		}, func(c *checker) { c.checkStreams() }},
 		{"a connection left open", "connections to NATS", func() func() {
-			nc, err := nats.Connect("nats://" + s.named["worker-0"].nats.Addr())
+			nc, err := nats.Connect("nats://" + s.named["worker-0"].nats[0].Addr())
 			require.NoError(t, err)
 			return nc.Close
 		}, func(c *checker) { c.checkLeaks(baseline) }},
@@ -150,6 +179,36 @@ func TestChaosChecksCatchDefects(t *testing.T) {
 			<-exited
 			return func() { p.start(t) }
 		}, func(c *checker) { c.checkCrashes() }},
+		{"a second stored copy of a turn event", "stored copies of the turns stream", func() func() {
+			return plantTurnEvent(firstOutbox)
+		}, func(c *checker) { c.checkStreams() }},
+		{"a stale turn event after a newer one", "the turns stream holds its events out of commit order", func() func() {
+			return plantTurnEvent(twiceFirst)
+		}, func(c *checker) { c.checkStreams() }},
+		{"a turn event never stored", "never reached a worker", func() func() {
+			recs, _ := s.deliveries.snapshot()
+			seq := recs[slices.IndexFunc(recs, func(d delivery) bool { return d.outboxID == firstOutbox })].seq
+			s.deliveries.mu.Lock()
+			s.deliveries.recs = slices.DeleteFunc(s.deliveries.recs, func(d delivery) bool { return d.outboxID == firstOutbox })
+			s.deliveries.mu.Unlock()
+			return func() {
+				s.deliveries.mu.Lock()
+				s.deliveries.recs = append(s.deliveries.recs, delivery{firstOutbox, seq})
+				s.deliveries.mu.Unlock()
+			}
+		}, func(c *checker) { c.checkTurnStream() }},
+		{"a duplicate outcome", "stored 2 times in the outcomes stream", func() func() {
+			st, err := js.Stream(ctx, "AGENT_OUTCOMES")
+			require.NoError(t, err)
+			orig, err := st.GetMsg(ctx, lines[0].Seq)
+			require.NoError(t, err)
+			msg := nats.NewMsg(orig.Subject)
+			msg.Data, msg.Header = orig.Data, orig.Header
+			msg.Header.Set(jetstream.MsgIDHeader, "planted-duplicate-outcome")
+			ack, err := js.PublishMsg(ctx, msg)
+			require.NoError(t, err)
+			return func() { require.NoError(t, st.DeleteMsg(ctx, ack.Sequence)) }
+		}, func(c *checker) { c.checkStreamOrder() }},
 		// Last: Postgres's log keeps the refusal, which no undo takes back.
 		{"a statement that needs a privilege the roles lack", "privilege errors", func() func() {
 			worker := rolePool(t, ctx, s.pg, roleOf("worker"), 1)

@@ -74,6 +74,58 @@ func createNeighbour(ctx context.Context, s *system) error {
 	return nil
 }
 
+// slotWaitLog starts the relay's warning that creating the slot waits for other transactions.
+const slotWaitLog = "creating the slot waits for transactions"
+
+// openAcrossSlotCreation opens a neighbour's transaction that writes (so has an xid) before
+// the relays start: creating the slot must wait for it to end. It ends once a relay said
+// creating the slot waits (at most a minute), and the returned function waits for that and
+// says what happened; the run fails if no relay said so.
+func (s *system) openAcrossSlotCreation(ctx context.Context) func() string {
+	conn, err := pgx.Connect(ctx, roleURL(s.pg, neighbourRole))
+	if err != nil {
+		s.t.Fatalf("connect as the neighbour: %v", err)
+	}
+	tx, err := conn.Begin(ctx)
+	if err == nil {
+		_, err = tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS small (id bigint, at timestamptz DEFAULT now());
+			INSERT INTO small (id) VALUES (0)`)
+	}
+	if err != nil {
+		s.t.Fatalf("the neighbour's transaction: %v", err)
+	}
+	began := time.Now()
+	done := make(chan string, 1)
+	go func() { // owned by the returned function, which the run calls
+		defer func() { _ = conn.Close(context.WithoutCancel(ctx)) }()
+		deadline := time.Now().Add(time.Minute)
+		said := ""
+		for said == "" && time.Now().Before(deadline) && sleep(ctx, 100*time.Millisecond) {
+			for _, name := range []string{"relay-0", "relay-1"} {
+				if strings.Contains(s.named[name].log.lines(200), slotWaitLog) {
+					said = name
+				}
+			}
+		}
+		err := tx.Commit(ctx)
+		switch {
+		case said == "":
+			done <- fmt.Sprintf("no relay logged %q within a minute", slotWaitLog)
+		case err != nil:
+			done <- fmt.Sprintf("commit: %v", err)
+		default:
+			done <- fmt.Sprintf("ok: %s said creating the slot waited; committed after %v", said, time.Since(began).Round(time.Millisecond))
+		}
+	}()
+	return func() string {
+		what := <-done
+		if !strings.HasPrefix(what, "ok: ") {
+			s.t.Errorf("the neighbour's transaction open across the slot's creation: %s", what)
+		}
+		return what
+	}
+}
+
 // startNeighbour starts the neighbour; its goroutines end with ctx, and wait returns its
 // counts once they have.
 func (s *system) startNeighbour(ctx context.Context, seed uint64) (wait func() map[string]int) {

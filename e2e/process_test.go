@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -29,9 +28,14 @@ type proc struct {
 	kind        string // "relay", "worker" or "subscriber"
 	bin         string
 	args, env   []string
-	metricsAddr string         // BATON_METRICS_ADDR, opsserver.AnyPort; "" for the subscriber
-	pg, nats    *testsvc.Proxy // pg is nil for the subscriber
-	stdoutLine  func(string)   // called for each line the process prints on stdout, or nil
+	metricsAddr string           // BATON_METRICS_ADDR, opsserver.AnyPort; "" for the subscriber
+	pg          *testsvc.Proxy   // nil for the subscriber
+	nats        []*testsvc.Proxy // one per NATS server (node of a cluster)
+	stdoutLine  func(string)     // called for each line the process prints on stdout, or nil
+	// recordLine is offered each line the process logs, and reports whether it was a record
+	// the stream-level checks read (streams_test.go), kept apart from the log; nil for the
+	// subscriber.
+	recordLine func(string) bool
 
 	log *tail // stderr of every run of the process, its end kept
 
@@ -67,7 +71,11 @@ func (p *proc) start(t *testing.T) {
 	cmd := exec.Command(p.bin, p.args...)
 	cmd.Env = append(os.Environ(), p.env...)
 	p.log.note("start #%d", p.starts+1)
-	cmd.Stderr = io.MultiWriter(p.log, &testsvc.LineWriter{Line: func(line string) {
+	cmd.Stderr = &testsvc.LineWriter{Line: func(line string) {
+		if p.recordLine != nil && p.recordLine(line) {
+			return // a record, not kept in the log: there would be little else to read
+		}
+		_, _ = p.log.Write([]byte(line + "\n"))
 		if strings.Contains(line, walsenderBusyLog) {
 			p.busyWaits.Add(1)
 		}
@@ -78,7 +86,7 @@ func (p *proc) start(t *testing.T) {
 				p.metricsAt = addr
 			}
 		}
-	}})
+	}}
 	if p.stdoutLine != nil {
 		cmd.Stdout = &testsvc.LineWriter{Line: p.stdoutLine}
 	}

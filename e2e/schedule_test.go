@@ -21,7 +21,18 @@ const (
 	faultLatency   = "latency"   // a process's proxy delays every chunk by Latency for For
 	faultReset     = "reset"     // a process's proxy resets every connection
 	faultFreeze    = "freeze"    // a process's proxy forwards nothing (half-open) for For
+	// Faults that outlast the streams' duplicate window (chaosDuplicates): only the stream
+	// fence keeps what a relay sent before them from being stored again after them.
+	faultFreezeLong = "freeze-long" // the streaming relay's path to NATS or Postgres frozen for For
+	faultStopLong   = "stop-long"   // SIGSTOP of the streaming relay (or a worker) for For
+	faultSlowLink   = "slow-link"   // a process's proxy forwards what Postgres sends at Rate bytes/s for For
+	faultTurnsFull  = "turns-full"  // the turns stream's MaxMsgs lowered to what it holds plus Slack, for For
 )
+
+// chaosDuplicates is the streams' duplicate window in the chaos run (the relays'
+// BATON_STREAM_DUPLICATES): short, so that the long faults outlast it. The relay's stream
+// fence, not the window, keeps every stream's events once (DESIGN, the stream fence).
+const chaosDuplicates = 10 * time.Second
 
 // fault is one entry of the schedule.
 type fault struct {
@@ -33,6 +44,8 @@ type fault struct {
 	Target  string
 	For     time.Duration // down, stopped, frozen or slowed for this long
 	Latency time.Duration // faultLatency only
+	Rate    int64         // faultSlowLink only: bytes a second
+	Slack   int64         // faultTurnsFull only: room left in the turns stream, in messages
 }
 
 func (f fault) String() string {
@@ -46,6 +59,12 @@ func (f fault) String() string {
 	if f.Latency > 0 {
 		s += fmt.Sprintf(" latency %v", f.Latency)
 	}
+	if f.Rate > 0 {
+		s += fmt.Sprintf(" rate %d KiB/s", f.Rate>>10)
+	}
+	if f.Slack > 0 {
+		s += fmt.Sprintf(" room %d", f.Slack)
+	}
 	return s
 }
 
@@ -56,6 +75,7 @@ var faultWeights = []struct {
 }{
 	{faultKill, 4}, {faultTerm, 2}, {faultStop, 3}, {faultNATS, 2}, {faultPGFast, 1}, {faultPGCrash, 1},
 	{faultWalsender, 2}, {faultLatency, 2}, {faultReset, 3}, {faultFreeze, 3},
+	{faultFreezeLong, 2}, {faultStopLong, 1}, {faultSlowLink, 2}, {faultTurnsFull, 2},
 }
 
 // scheduleWarmup is how long the load runs before the first fault.
@@ -126,6 +146,25 @@ func schedule(seed uint64, length time.Duration) []fault {
 		case faultFreeze:
 			// Up to past the relay's liveness timeout (10s), after which it reconnects.
 			f.Target, f.For = path, between(time.Second, 15*time.Second)
+		case faultFreezeLong:
+			f.Target, f.For, cost = "relay:active/nats", chaosDuplicates+between(2*time.Second, 10*time.Second), 3*time.Second
+			if r.IntN(3) == 0 {
+				f.Target = "relay:active/pg"
+			}
+		case faultStopLong:
+			f.Target, f.For, cost = "relay:active", chaosDuplicates+between(2*time.Second, 10*time.Second), 3*time.Second
+			if r.IntN(4) == 0 {
+				f.Target = worker
+			}
+		case faultSlowLink:
+			// Mostly the replication stream; a worker's queries otherwise.
+			f.Target, f.For = "relay:active/pg", between(5*time.Second, 15*time.Second)
+			if r.IntN(3) == 0 {
+				f.Target = worker + "/pg"
+			}
+			f.Rate = (16 + r.Int64N(241)) << 10 // 16-256 KiB/s
+		case faultTurnsFull:
+			f.For, f.Slack = between(5*time.Second, 15*time.Second), 1+r.Int64N(20)
 		}
 		end := at + f.For + cost
 		if end > length {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/batonhq/baton/internal/opsserver"
 	"github.com/batonhq/baton/internal/testsvc"
@@ -35,18 +36,25 @@ const (
 // system is the whole of Baton under test: its servers, and its programs as processes, each
 // talking to Postgres and NATS through proxies of its own.
 type system struct {
-	t     *testing.T
-	pg    *testsvc.Postgres
-	nats  *testsvc.NATS
-	pool  *pgxpool.Pool // the test's own connections, straight to Postgres, as the owner
-	app   *pgxpool.Pool // the producers' connections, as roles.sql's baton_app
-	nc    *nats.Conn    // the test's own connection, straight to NATS
-	procs []*proc
-	named map[string]*proc
+	t    *testing.T
+	pg   *testsvc.Postgres
+	nats *testsvc.NATS // the NATS server; nil on a cluster
+	// cluster is the JetStream cluster the run uses instead of one server (-chaos.cluster),
+	// else nil.
+	cluster *testsvc.Cluster
+	pool    *pgxpool.Pool // the test's own connections, straight to Postgres, as the owner
+	app     *pgxpool.Pool // the producers' connections, as roles.sql's baton_app
+	nc      *nats.Conn    // the test's own connection, straight to NATS
+	procs   []*proc
+	named   map[string]*proc
 
-	pgDown, natsDown bool // the servers' state, kept by the fault runner
+	pgDown, natsDown bool                 // the servers' state, kept by the fault runner (natsDown: a node, on a cluster)
+	stoppedNode      *testsvc.ClusterNode // the node stopNATS stopped, on a cluster
+	// turnsConfig is the turns stream's configuration while a fault capped it, else nil.
+	turnsConfig *jetstream.StreamConfig
 
-	outcomes outcomeLog
+	outcomes   outcomeLog
+	deliveries deliveryLog // the turn events the workers received
 }
 
 // outcomeLog is what the subscriber printed, in order.
@@ -82,31 +90,47 @@ func (l *outcomeLog) snapshot() []subscriberLine {
 	return append([]subscriberLine(nil), l.lines...)
 }
 
-// startSystem starts Postgres (a cluster of the test's own: the run restarts it), NATS, two
-// relays (one streams, one stands by), three workers (the third with the write tool) and the
-// subscriber, and waits until a relay streams.
-func startSystem(t *testing.T, ctx context.Context) *system {
+// startSystem starts Postgres (a cluster of the test's own: the run restarts it), NATS (with
+// cluster, a 3-node JetStream cluster and R3 streams), two relays (one streams, one stands
+// by), three workers (the third with the write tool) and the subscriber, and waits until a
+// relay streams. beforeRelays, if not nil, runs once the servers run, before the first relay
+// starts (and creates the slot).
+func startSystem(t *testing.T, ctx context.Context, cluster bool, beforeRelays func(*system)) *system {
 	t.Helper()
 	began := time.Now()
 	pg, pool := startMigratedPostgres(t, ctx, 12)
 
-	n := testsvc.StartNATS(t)
-	if n.External() {
-		t.Fatalf("the chaos run stops and starts NATS: unset %s", testsvc.EnvNATSURL)
+	s := &system{t: t, pg: pg, pool: pool, app: rolePool(t, ctx, pg, "baton_app", 6), named: map[string]*proc{}}
+	// natsTargets are the servers a process reaches, each through a proxy of its own.
+	var natsTargets []string
+	testURL := ""
+	if cluster {
+		// No node tells clients of the others: a process's proxies stay its only paths.
+		s.cluster = testsvc.StartCluster(t, 3, testsvc.NoAdvertise())
+		for _, node := range s.cluster.Nodes {
+			natsTargets = append(natsTargets, fmt.Sprintf("127.0.0.1:%d", node.Port))
+		}
+		testURL = s.cluster.URLs()
+	} else {
+		s.nats = testsvc.StartNATS(t)
+		if s.nats.External() {
+			t.Fatalf("the chaos run stops and starts NATS: unset %s", testsvc.EnvNATSURL)
+		}
+		natsTargets = []string{fmt.Sprintf("127.0.0.1:%d", s.nats.Port)}
+		testURL = s.nats.URL()
 	}
-	nc, err := nats.Connect(n.URL(), nats.Name("chaos-test"), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	nc, err := nats.Connect(testURL, nats.Name("chaos-test"), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
 	if err != nil {
 		t.Fatalf("connect to nats: %v", err)
 	}
 	t.Cleanup(nc.Close)
+	s.nc = nc
 
-	s := &system{t: t, pg: pg, nats: n, pool: pool, app: rolePool(t, ctx, pg, "baton_app", 6), nc: nc, named: map[string]*proc{}}
 	bins := testsvc.Binaries(t, "github.com/batonhq/baton/cmd/baton", "github.com/batonhq/baton/examples/echoagent",
 		"github.com/batonhq/baton/examples/subscriber")
 	baton, echoagent, subscriber := bins[0], bins[1], bins[2]
 	t.Logf("postgres up and migrated, programs built: %v", time.Since(began).Round(time.Millisecond))
 
-	natsTarget := fmt.Sprintf("127.0.0.1:%d", n.Port)
 	pgTarget := pg.SocketPath() // the proxies dial the cluster's Unix socket
 	add := func(name, kind, bin string, args []string, withPG bool) *proc {
 		pool := ""
@@ -114,8 +138,13 @@ func startSystem(t *testing.T, ctx context.Context) *system {
 			pool = fmt.Sprintf("&pool_max_conns=%d", workerPoolMax)
 		}
 		p := &proc{name: name, kind: kind, bin: bin, args: args, log: newTail(256 << 10)}
-		p.nats = testsvc.StartProxy(t, natsTarget)
-		p.env = []string{"BATON_NATS_URL=nats://" + p.nats.Addr(), "BATON_LOG_LEVEL=info"}
+		var urls []string
+		for _, target := range natsTargets {
+			px := testsvc.StartProxy(t, target)
+			p.nats = append(p.nats, px)
+			urls = append(urls, "nats://"+px.Addr())
+		}
+		p.env = []string{"BATON_NATS_URL=" + strings.Join(urls, ","), "BATON_LOG_LEVEL=info"}
 		if withPG {
 			p.pg = testsvc.StartProxy(t, pgTarget)
 			p.metricsAddr = opsserver.AnyPort
@@ -139,7 +168,12 @@ func startSystem(t *testing.T, ctx context.Context) *system {
 		// largest logical messages (neighbour_test.go).
 		r := add(fmt.Sprintf("relay-%d", i), "relay", baton, []string{"relay", "--status-interval", "250ms", "--min-silence", "1s",
 			"--max-change-bytes", fmt.Sprint(8 << 20)}, true)
-		r.env = append(r.env, "BATON_FATAL_LINGER=0")
+		// At debug level a relay logs each turn event its replay check does not publish.
+		r.env = append(r.env, "BATON_FATAL_LINGER=0", "BATON_STREAM_DUPLICATES="+chaosDuplicates.String(), "BATON_LOG_LEVEL=debug")
+		r.recordLine = s.deliveries.add
+		if cluster {
+			r.env = append(r.env, "BATON_STREAM_REPLICAS=3")
+		}
 	}
 	for i := range 3 {
 		args := []string{"--source", "jetstream", "--model-latency", "100ms",
@@ -148,21 +182,60 @@ func startSystem(t *testing.T, ctx context.Context) *system {
 		if i == 2 {
 			args = append(args, "--write-tool")
 		}
-		add(fmt.Sprintf("worker-%d", i), "worker", echoagent, args, true)
+		w := add(fmt.Sprintf("worker-%d", i), "worker", echoagent, args, true)
+		// At debug level a worker logs each turn event it receives: the stream-level checks
+		// read those records (streams_test.go).
+		w.env = append(w.env, "BATON_LOG_LEVEL=debug")
+		w.recordLine = s.deliveries.add
 	}
 	sub := add("subscriber", "subscriber", subscriber, []string{"--json", "--durable", "chaos"}, false)
 	sub.stdoutLine = s.outcomes.add
 
+	if beforeRelays != nil {
+		beforeRelays(s)
+	}
 	// The relays first: they create the streams the others use.
 	s.named["relay-0"].start(t)
 	s.named["relay-1"].start(t)
 	s.awaitActiveRelay(ctx, time.Minute)
+	if cluster {
+		s.awaitReplicas(ctx)
+	}
 	for _, p := range s.procs {
 		if p.kind != "relay" {
 			p.start(t)
 		}
 	}
 	return s
+}
+
+// awaitReplicas waits until the streams, R3 on the cluster, have every replica current.
+func (s *system) awaitReplicas(ctx context.Context) {
+	s.t.Helper()
+	js, err := jetstream.New(s.nc)
+	if err != nil {
+		s.t.Fatalf("jetstream: %v", err)
+	}
+	rctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	for _, name := range clusterStreams {
+		for {
+			st, err := js.Stream(rctx, name)
+			if err == nil && st.CachedInfo().Config.Replicas != 3 {
+				s.t.Fatalf("stream %s has %d replicas, want 3", name, st.CachedInfo().Config.Replicas)
+			}
+			if err == nil {
+				break
+			}
+			if rctx.Err() != nil {
+				s.t.Fatalf("stream %s: %v", name, err)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		if _, err := s.cluster.AwaitStreamReplicas(rctx, js, name); err != nil {
+			s.t.Fatalf("stream %s: %v", name, err)
+		}
+	}
 }
 
 // activeRelay returns the relay that streams now (its baton_relay_active is 1), or nil.
@@ -200,24 +273,27 @@ func (s *system) awaitActiveRelay(ctx context.Context, within time.Duration) *pr
 func (s *system) heal(ctx context.Context) {
 	t := s.t
 	for _, p := range s.procs {
-		for _, px := range []*testsvc.Proxy{p.pg, p.nats} {
+		for _, px := range append([]*testsvc.Proxy{p.pg}, p.nats...) {
 			if px != nil {
 				px.Unfreeze()
 				px.SetLatency(0)
+				px.SetReplyRate(0)
 			}
 		}
 	}
 	if s.natsDown {
-		if err := s.nats.Start(); err != nil {
-			t.Fatalf("start nats: %v", err)
+		if err := s.startNATS(); err != nil {
+			t.Fatalf("%v", err)
 		}
-		s.natsDown = false
 	}
 	if s.pgDown {
 		if err := s.pg.Start(ctx); err != nil {
 			t.Fatalf("start postgres: %v", err)
 		}
 		s.pgDown = false
+	}
+	if err := s.restoreTurns(); err != nil {
+		t.Fatalf("%v", err)
 	}
 	for _, p := range s.procs {
 		if p.isStopped() {

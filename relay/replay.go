@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strconv"
 
@@ -47,6 +48,7 @@ type replayCheck struct {
 	streams [laneCount]string
 	conn    *pgx.Conn // the session's connection: the reader's while it streams
 	m       *metrics
+	log     *slog.Logger
 
 	last   map[string]*lastStored // by subject: nil for none, or not looked up yet
 	held   []item                 // the replay's items not yet decided, in order
@@ -83,7 +85,7 @@ func (r *Relay) newReplayCheck(conn *pgx.Conn, to pglogrepl.LSN) (*replayCheck, 
 	if err != nil {
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
-	return &replayCheck{to: to, js: js, conn: conn, m: r.m, streams: r.laneStreams(), last: map[string]*lastStored{}}, nil
+	return &replayCheck{to: to, js: js, conn: conn, m: r.m, log: r.cfg.Logger, streams: r.laneStreams(), last: map[string]*lastStored{}}, nil
 }
 
 // laneStreams returns the lanes' stream names.
@@ -171,18 +173,36 @@ func (c *replayCheck) decide(ctx context.Context, held []item, start pglogrepl.L
 	}
 	out := held[:0]
 	for i, it := range held {
-		if id, ok := turnRow(it); ok && keep[i] && !open[id] {
-			keep[i] = false
+		id, turn := turnRow(it)
+		why := ReplaySkipStored
+		if turn && keep[i] && !open[id] {
+			keep[i], why = false, ReplaySkipFinished
 		}
 		if keep[i] {
 			out = append(out, it)
-		} else {
-			c.skipped++
-			c.m.replaySkipped.Inc()
+			continue
+		}
+		c.skipped++
+		c.m.replaySkipped.Inc()
+		if turn {
+			c.log.Debug(ReplaySkippedLog, "outbox_id", id, "why", why)
 		}
 	}
 	return out, nil
 }
+
+// ReplaySkippedLog is the message of the debug log line the relay writes for each turn event
+// its replay check does not publish, with the event's outbox_id and why: ReplaySkipStored (an
+// earlier session stored it) or ReplaySkipFinished (its outbox row is finished, and no stored
+// copy is left to find: the workers acknowledged it, or it was never stored and the row was
+// claimed without it). The chaos run reads these lines (e2e/streams_test.go).
+const ReplaySkippedLog = "replay: turn event not published"
+
+// The reasons of ReplaySkippedLog.
+const (
+	ReplaySkipStored   = "stored"
+	ReplaySkipFinished = "finished"
+)
 
 // turnRow returns the outbox id of a turn event (not a dead-letter record).
 func turnRow(it item) (int64, bool) {
