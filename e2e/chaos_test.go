@@ -20,10 +20,10 @@ import (
 )
 
 var (
-	chaosDuration = flag.Duration("chaos.duration", 140*time.Second,
+	chaosDuration = flag.Duration("chaos.duration", 110*time.Second,
 		"how long the chaos run sends and injects faults (setup and drain come on top, about a minute)")
 	chaosSeed    = flag.Uint64("chaos.seed", 0, "seed of the fault schedule, to replay a run (0: a random one)")
-	chaosCluster = flag.Duration("chaos.cluster", 60*time.Second,
+	chaosCluster = flag.Duration("chaos.cluster", 45*time.Second,
 		"how long TestChaosCluster, the chaos run on a 3-node JetStream cluster with R3 streams, sends and injects faults")
 )
 

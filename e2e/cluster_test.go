@@ -198,12 +198,17 @@ func startClusterSystem(t *testing.T, ctx context.Context) (*system, *testsvc.Cl
 		})
 		return p
 	}
+	// At debug level, relays and workers write the records of the stream-level checks
+	// (streams_test.go).
 	rp := add("relay", "relay", bins[0], []string{"relay"}, true)
-	rp.env = append(rp.env, "BATON_FATAL_LINGER=0", "BATON_STREAM_REPLICAS=3")
+	rp.env = append(rp.env, "BATON_FATAL_LINGER=0", "BATON_STREAM_REPLICAS=3", "BATON_LOG_LEVEL=debug")
+	rp.recordLine = s.deliveries.add
 	for i := range 2 {
-		add(fmt.Sprintf("worker-%d", i), "worker", bins[1], []string{"--source", "jetstream", "--model-latency", "20ms",
+		w := add(fmt.Sprintf("worker-%d", i), "worker", bins[1], []string{"--source", "jetstream", "--model-latency", "20ms",
 			"--lease", workerLease.String(), "--recovery-interval", "1s", "--ack-wait", "5s",
 			"--shutdown-grace", "3s", "--max-attempts", fmt.Sprint(workerMaxAttempts)}, true)
+		w.env = append(w.env, "BATON_LOG_LEVEL=debug")
+		w.recordLine = s.deliveries.add
 	}
 	sub := add("subscriber", "subscriber", bins[2], []string{"--json", "--durable", "cluster"}, false)
 	sub.stdoutLine = s.outcomes.add

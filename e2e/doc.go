@@ -3,7 +3,7 @@
 //
 // # The chaos run
 //
-//	go test ./e2e -run Chaos -v                       # about 3 minutes
+//	go test ./e2e -run Chaos -v                       # about 5 minutes (both runs)
 //	go test ./e2e -run Chaos -v -chaos.duration=10m   # longer
 //	go test ./e2e -run Chaos -v -chaos.seed=1234      # replay a run's fault schedule
 //	go test ./e2e -run 'TestChaosCluster$' -v -chaos.cluster=10m   # the cluster run, longer
@@ -37,7 +37,7 @@
 // one path at a time for 5-20s or resets its connections. The schedules are drawn up front
 // from the seed (-chaos.seed; a random one, printed, when zero) and logged as they run, so a
 // seed replays the same faults at the same offsets; a failing run prints its seed.
-// -chaos.duration (default 2m20s) is how long the load and the faults last; setup, drain and
+// -chaos.duration (default 1m50s) is how long the load and the faults last; setup, drain and
 // checks add about a minute.
 //
 // Then the faults stop, every fault is healed, and the run drains (2 minutes at most) and
@@ -77,7 +77,7 @@
 //
 // # The JetStream cluster runs
 //
-// TestChaosCluster is the chaos run (60s of faults; -chaos.cluster sets the length) on a
+// TestChaosCluster is the chaos run (45s of faults; -chaos.cluster sets the length) on a
 // 3-node JetStream cluster with R3 streams, each process reaching every node through a proxy
 // of its own (the nodes advertise no others); the NATS fault stops one node, the turns
 // stream's leader half the time. make test-long runs it, and TestChaos, for 5 minutes
