@@ -478,25 +478,42 @@ type storedOutcome struct {
 }
 
 // storedOutcomes reads the outcomes stream's messages whose subject match accepts, in stream
-// order, one by one from the stream's leader (a consumer may have no leader for a while
-// in a cluster still settling after its restarts); a read that fails is retried, for up to 30s
-// in all.
+// order (see streamMessages).
 func (c *checker) storedOutcomes(match func(subject string) bool) ([]storedOutcome, error) {
+	var out []storedOutcome
+	err := c.streamMessages("AGENT_OUTCOMES", match, func(msg *jetstream.RawStreamMsg) error {
+		var ev struct {
+			MessageID      string `json:"message_id"`
+			ConversationID string `json:"conversation_id"`
+		}
+		if err := json.Unmarshal(msg.Data, &ev); err != nil {
+			return fmt.Errorf("outcome %d on %s: %w", msg.Sequence, msg.Subject, err)
+		}
+		out = append(out, storedOutcome{ev.MessageID, ev.ConversationID, msg.Sequence})
+		return nil
+	})
+	return out, err
+}
+
+// streamMessages calls each with the messages of stream whose subject match accepts, in
+// stream order, read one by one from the stream's leader (a consumer may have no leader for a
+// while in a cluster still settling after its restarts: it answers "no responders"); a read
+// that fails is retried, for up to 30s in all.
+func (c *checker) streamMessages(stream string, match func(subject string) bool, each func(*jetstream.RawStreamMsg) error) error {
 	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
 	defer cancel()
 	js, err := jetstream.New(c.s.nc)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	var st jetstream.Stream
-	for st, err = js.Stream(ctx, "AGENT_OUTCOMES"); err != nil; st, err = js.Stream(ctx, "AGENT_OUTCOMES") {
+	for st, err = js.Stream(ctx, stream); err != nil; st, err = js.Stream(ctx, stream) {
 		if ctx.Err() != nil {
-			return nil, err
+			return err
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 	state := st.CachedInfo().State
-	var out []storedOutcome
 	for seq := state.FirstSeq; seq <= state.LastSeq && seq > 0; seq++ {
 		msg, err := st.GetMsg(ctx, seq)
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -504,7 +521,7 @@ func (c *checker) storedOutcomes(match func(subject string) bool) ([]storedOutco
 		}
 		if err != nil {
 			if ctx.Err() != nil {
-				return out, fmt.Errorf("at stream sequence %d: %w", seq, err)
+				return fmt.Errorf("%s at stream sequence %d: %w", stream, seq, err)
 			}
 			seq--
 			time.Sleep(200 * time.Millisecond)
@@ -513,16 +530,11 @@ func (c *checker) storedOutcomes(match func(subject string) bool) ([]storedOutco
 		if !match(msg.Subject) {
 			continue
 		}
-		var ev struct {
-			MessageID      string `json:"message_id"`
-			ConversationID string `json:"conversation_id"`
+		if err := each(msg); err != nil {
+			return err
 		}
-		if err := json.Unmarshal(msg.Data, &ev); err != nil {
-			return out, fmt.Errorf("outcome %d on %s: %w", seq, msg.Subject, err)
-		}
-		out = append(out, storedOutcome{ev.MessageID, ev.ConversationID, seq})
 	}
-	return out, nil
+	return nil
 }
 
 // streamOrders reads the outcomes stream once and returns each conversation's outcomes as
@@ -661,40 +673,27 @@ func (c *checker) checkDeadLetters(ctx context.Context, js jetstream.JetStream) 
 	if n == 0 {
 		return
 	}
-	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{FilterSubjects: []string{"agent.deadletter.>"}})
-	if err != nil {
-		c.fail("read the dead-letter stream: %v", err)
-		return
-	}
-	var theirs int
-	for read := uint64(0); read < n; {
-		batch, err := cons.Fetch(int(min(n-read, 100)), jetstream.FetchMaxWait(5*time.Second))
-		if err != nil {
-			c.fail("read the dead-letter stream: %v", err)
-			return
-		}
-		got := 0
-		for m := range batch.Messages() {
+	var read, theirs uint64
+	err = c.streamMessages("AGENT_DEADLETTER", func(subject string) bool { return strings.HasPrefix(subject, "agent.deadletter.") },
+		func(m *jetstream.RawStreamMsg) error {
 			read++
-			got++
 			var rec wire.DeadLetter
-			if err := json.Unmarshal(m.Data(), &rec); err != nil {
-				c.fail("a dead-letter record that is not JSON: %q", m.Data())
-				continue
+			if err := json.Unmarshal(m.Data, &rec); err != nil {
+				c.fail("a dead-letter record that is not JSON: %q", m.Data)
+				return nil
 			}
 			if rec.Kind == wire.DeadLetterAnswers && strings.HasPrefix(string(rec.Raw), neighbourMark) {
 				theirs++
-				continue
+				return nil
 			}
 			c.fail("a record in the dead-letter stream: kind %s, table %q, reason %s, %d bytes: %.200q",
 				rec.Kind, rec.Table, rec.Reason, rec.RawBytes, rec.Raw)
-		}
-		if err := batch.Error(); err != nil || got == 0 {
-			c.fail("read the dead-letter stream: %d of %d records (%v)", read, n, err)
-			return
-		}
+			return nil
+		})
+	if err != nil || read != n {
+		c.fail("read the dead-letter stream: %d of %d records (%v)", read, n, err)
 	}
-	c.neighbourDeadLetters = theirs
+	c.neighbourDeadLetters = int(theirs)
 }
 
 // goroutineSlack is how many goroutines above its kind's idle count before the load a process
